@@ -1,0 +1,330 @@
+"""Decoder-only byte-level Transformer whose residual stream and routing are plugins.
+
+Plain `torch.nn`, single device, no Lightning. Every attention and MLP sublayer goes through the
+same `Sublayer` wrapper:
+
+    state ─> strategy.read ─> h ─> router ─> Route(executed, gate)
+                                             │
+        gather executed tokens ─> attention / MLP on them alone ─> f
+                                             │
+    state' <─ scatter <─ strategy.write(gathered state, f, gate) ┘
+
+so a residual strategy never sees routing and a router never sees the residual state.
+Shapes: B batch, T sequence, C = d_model, N executed tokens, K executed tokens of the longest
+sequence (the padded width routed attention runs at), H heads, D head width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nag_lightning.residuals import ResidualStrategy, State, build_residual
+from nag_lightning.routers import Route, Router, build_router
+
+SUBLAYER_KINDS = ("attn", "mlp")
+
+
+@dataclass
+class TransformerConfig:
+    """Architecture of the model. Every field is validated with a sentence that says how to fix it.
+
+    Attributes:
+        vocab_size: number of token ids (256 for bytes).
+        d_model: residual width C.
+        n_layers: number of blocks (each an attention and an MLP sublayer).
+        n_heads: attention heads; must divide d_model.
+        mlp_ratio: SwiGLU hidden width over d_model.
+        seq_len: longest sequence the rotary tables cover.
+        residual: residual strategy, a registered name or {class_path, init_args}.
+        residual_options: keyword options of the residual strategy.
+        router: router, a registered name or {class_path, init_args}.
+        router_options: keyword options of the router.
+        route_kinds: which sublayer kinds are routed ("attn", "mlp").
+        route_layers: which blocks are routed: "all", "every_other" (1, 3, 5, ...) or a list.
+        init_std: standard deviation of linear weights at init.
+        embed_std: standard deviation of the token embedding at init.
+        rope_base: rotary embedding base.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: float = 4.0
+    seq_len: int = 256
+    residual: str | dict = "nag"
+    residual_options: dict = field(default_factory=dict)
+    router: str | dict = "none"
+    router_options: dict = field(default_factory=dict)
+    route_kinds: list[str] = field(default_factory=lambda: list(SUBLAYER_KINDS))
+    route_layers: str | list[int] = "all"
+    init_std: float = 0.02
+    embed_std: float = 1.0
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be at least 1; got {getattr(self, name)}.")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_heads "
+                f"({self.n_heads}); change one of them."
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"The head width d_model / n_heads = {self.d_model // self.n_heads} must be even "
+                "for rotary embeddings; change model.d_model or model.n_heads."
+            )
+        if self.seq_len < 2:
+            raise ValueError(
+                f"model.seq_len must be at least 2 (one input and one target); got {self.seq_len}."
+            )
+        if self.mlp_ratio <= 0:
+            raise ValueError(f"model.mlp_ratio must be positive; got {self.mlp_ratio}.")
+        unknown = set(self.route_kinds) - set(SUBLAYER_KINDS)
+        if unknown:
+            raise ValueError(
+                f"model.route_kinds names sublayer kinds {sorted(unknown)} that do not exist; "
+                f"choose from {list(SUBLAYER_KINDS)}."
+            )
+        self.routed_layers()  # validates route_layers
+
+    @property
+    def n_sublayers(self) -> int:
+        return 2 * self.n_layers
+
+    def routed_layers(self) -> set[int]:
+        """The block indices whose sublayers of `route_kinds` are routed."""
+        if self.route_layers == "all":
+            return set(range(self.n_layers))
+        if self.route_layers == "every_other":
+            return set(range(1, self.n_layers, 2))
+        if isinstance(self.route_layers, str) or any(
+            not 0 <= i < self.n_layers for i in self.route_layers
+        ):
+            raise ValueError(
+                f"model.route_layers must be 'all', 'every_other' or a list of block indices in "
+                f"[0, {self.n_layers}); got {self.route_layers!r}."
+            )
+        return set(self.route_layers)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (RoPE) for any positions, including gathered ones."""
+
+    def __init__(self, head_dim: int, seq_len: int, base: float) -> None:
+        super().__init__()
+        inv_freq = base ** (-torch.arange(0, head_dim, 2).float() / head_dim)
+        angles = torch.outer(torch.arange(seq_len).float(), inv_freq)  # (seq_len, D/2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x (..., P, H, D) at integer positions (..., P)."""
+        cos = self.cos[positions].unsqueeze(-2).to(x.dtype)  # (..., P, 1, D/2)
+        sin = self.sin[positions].unsqueeze(-2).to(x.dtype)
+        x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention through `scaled_dot_product_attention`, no biases."""
+
+    def __init__(self, cfg: TransformerConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.rotary = [rotary]  # shared with the other blocks; a list keeps it out of this module
+
+    def _qkv(self, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self.qkv(h).unflatten(-1, (3, self.n_heads, -1)).unbind(-3)  # (..., H, D) each
+        rotary = self.rotary[0]
+        return rotary(q, positions), rotary(k, positions), v
+
+    def forward(self, h: Tensor) -> Tensor:
+        """Every token: h (B, T, C) -> (B, T, C)."""
+        B, T, _ = h.shape
+        q, k, v = self._qkv(h, torch.arange(T, device=h.device))  # (B, T, H, D)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (B, H, T, D)
+        return self.proj(y.transpose(1, 2).flatten(-2))
+
+    def forward_routed(self, h: Tensor, b: Tensor, t: Tensor, executed: Tensor) -> Tensor:
+        """Executed tokens only: h (N, C) at batch rows b and positions t (N,), where `executed`
+        (B, T) is the mask they came from. Skipped tokens write no key or value; executed tokens
+        attend causally, by original position, to executed tokens of their own sequence."""
+        B = executed.shape[0]
+        q, k, v = self._qkv(h, t)  # (N, H, D)
+        slot = (executed.cumsum(1) - 1)[b, t]  # place of each token among its sequence's executed
+        K = int(executed.sum(1).max())
+        padded = h.new_zeros(3, B, K, *q.shape[1:])  # (3, B, K, H, D)
+        padded[:, b, slot] = torch.stack((q, k, v))
+        pos = torch.full((B, K), -1, dtype=torch.long, device=h.device)
+        pos[b, slot] = t  # padding slots keep -1 ...
+        valid = pos >= 0
+        allowed = valid.unsqueeze(1) & (pos.unsqueeze(1) <= pos.unsqueeze(2))  # (B, Kq, Kk)
+        allowed |= torch.eye(K, dtype=torch.bool, device=h.device)  # ... and see only themselves
+        q, k, v = padded.transpose(2, 3).unbind(0)  # (B, H, K, D)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
+        return self.proj(y.transpose(1, 2)[b, slot].flatten(-2))  # (N, C)
+
+
+class SwiGLU(nn.Module):
+    """MLP: proj(silu(x W1) * x W3), no biases."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        hidden = int(cfg.mlp_ratio * cfg.d_model)
+        self.gate_up = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, cfg.d_model, bias=False)
+
+    def forward(self, h: Tensor) -> Tensor:
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+class Sublayer(nn.Module):
+    """read -> route -> compute the executed tokens -> write, for one attention or MLP sublayer.
+
+    After each forward it holds, detached, what accounting and diagnostics read: `executed_per_seq`
+    (B,) executed tokens of each sequence, and, when `record` is set, `contribution` (B, T) and
+    `state_norm` (B, T) after the write.
+    """
+
+    def __init__(self, kind: str, index: int, compute: nn.Module, router: Router) -> None:
+        super().__init__()
+        self.kind = kind
+        self.index = index
+        self.compute = compute
+        self.router = router
+        self.record = False
+        self.executed_per_seq: Tensor | None = None
+        self.contribution: Tensor | None = None
+        self.state_norm: Tensor | None = None
+
+    def forward(self, state: State, strategy: ResidualStrategy) -> State:
+        # (B, T, C); cast for models held in low precision while the state lanes stay fp32
+        h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
+        route: Route = self.router(h)
+        need_angle = self.record or getattr(self.router, "needs_contribution", False)
+        if route.executed is None:
+            f = self.compute(h)
+            state, angle = strategy.write(state, f, route.gate, self.index, need_angle)
+            self.executed_per_seq = torch.full(h.shape[:1], h.shape[1], device=h.device)
+        else:
+            b, t = route.executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
+            if self.kind == "attn":
+                f = self.compute.forward_routed(h[b, t], b, t, route.executed)
+            else:
+                f = self.compute(h[b, t])  # (N, C)
+            gate = None if route.gate is None else route.gate[b, t]
+            picked = tuple(lane[b, t] for lane in state)
+            written, angle_executed = strategy.write(picked, f, gate, self.index, need_angle)
+            state = tuple(lane.index_put((b, t), new) for lane, new in zip(state, written))
+            angle = None
+            if angle_executed is not None:
+                angle = h.new_zeros(h.shape[:2], dtype=angle_executed.dtype)
+                angle[b, t] = angle_executed  # a skipped token is not turned at all
+            self.executed_per_seq = route.executed.sum(1)
+        self.router.observe(h, route, angle)
+        if self.record:
+            self.contribution = angle
+            self.state_norm = strategy.state_norm(state).detach()
+        return state
+
+
+class Block(nn.Module):
+    """One attention and one MLP sublayer (the unit FSDP wraps)."""
+
+    def __init__(self, attn: Sublayer, mlp: Sublayer) -> None:
+        super().__init__()
+        self.attn = attn
+        self.mlp = mlp
+
+    def forward(self, state: State, strategy: ResidualStrategy) -> State:
+        return self.mlp(self.attn(state, strategy), strategy)
+
+
+@dataclass
+class TransformerOutput:
+    """logits (B, T, vocab) and the sum of the routers' auxiliary losses."""
+
+    logits: Tensor
+    aux_loss: Tensor
+
+
+class Transformer(nn.Module):
+    """Embedding -> residual strategy's stream through n_layers blocks -> LM head."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.strategy = build_residual(
+            cfg.residual, cfg.d_model, cfg.n_sublayers, **cfg.residual_options
+        )
+        rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_base)
+        self.rotary = rotary
+        routed = cfg.routed_layers()
+        blocks = []
+        for layer in range(cfg.n_layers):
+            sublayers = []
+            for offset, (kind, compute) in enumerate(
+                (("attn", Attention(cfg, rotary)), ("mlp", SwiGLU(cfg)))
+            ):
+                is_routed = layer in routed and kind in cfg.route_kinds
+                router = (
+                    build_router(cfg.router, cfg.d_model, **cfg.router_options)
+                    if is_routed
+                    else build_router("none", cfg.d_model)
+                )
+                sublayers.append(Sublayer(kind, 2 * layer + offset, compute, router))
+            blocks.append(Block(*sublayers))
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style init: normal(init_std), output projections scaled by 1/sqrt(2 n_layers)."""
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(param, std=self.cfg.init_std / math.sqrt(self.cfg.n_sublayers))
+            elif name.startswith("blocks.") and name.endswith("weight") and ".router." not in name:
+                nn.init.normal_(param, std=self.cfg.init_std)
+        nn.init.normal_(self.head.weight, std=self.cfg.init_std)
+        nn.init.normal_(self.embed.weight, std=self.cfg.embed_std)
+
+    @property
+    def sublayers(self) -> list[Sublayer]:
+        return [s for block in self.blocks for s in (block.attn, block.mlp)]
+
+    def record_diagnostics(self, on: bool) -> None:
+        """Keep each sublayer's contribution and state norm after the next forward passes."""
+        for sublayer in self.sublayers:
+            sublayer.record = on
+
+    def forward(self, idx: Tensor) -> TransformerOutput:
+        """idx (B, T) token ids -> logits (B, T, vocab)."""
+        T = idx.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(
+                f"The input has {T} tokens, more than model.seq_len = {self.cfg.seq_len}; "
+                "shorten it or raise model.seq_len."
+            )
+        state = self.strategy.init_state(self.embed(idx))
+        for block in self.blocks:
+            state = block(state, self.strategy)
+        features, scale = self.strategy.final(state)
+        logits = self.head(features.to(self.head.weight.dtype))
+        if scale is not None:
+            logits = logits * scale
+        aux = sum((s.router.aux_loss for s in self.sublayers), idx.new_zeros((), dtype=torch.float))
+        return TransformerOutput(logits=logits, aux_loss=aux)

@@ -1,0 +1,95 @@
+"""Norm-agnostic residual stream (NAG), arXiv 2606.16112 (Figliolia & Millidge, "Scaling Adaptive
+Depth with Norm-Agnostic Residual Networks"), in the formulation of DESIGN section 2.
+
+A token's state is a unit direction u and a log-norm rho, kept in separate lanes. Sublayers read
+only the direction and write a bounded rotation of it; their radial part moves rho:
+
+    u ──┬─> √d·u·γ_l ─> F_l ─> f ─> a = <f,u>, f⊥ = f - a·u, θ = θmax·tanh(g·α_l·|f⊥| / (√d·θmax))
+        │                           │
+        └───────────────────────────┴─> u' = cos θ · u + sin θ · f⊥/|f⊥|      (|u'| = 1)
+    rho ───────────────────────────────> rho' = rho + g·β_l·a/√d
+
+Since every sublayer turns u by at most θmax whatever the depth, a late layer matters as much as an
+early one; θ is also the sublayer's contribution, the number routers threshold on. The update runs
+through `nag_kernels.nag_write`: a fused Triton kernel on CUDA, the PyTorch reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from nag_kernels import BACKENDS, nag_write
+from nag_lightning.residuals import RESIDUALS, ResidualStrategy, State
+
+
+@RESIDUALS.register("nag")
+class NAGResidual(ResidualStrategy):
+    """Direction lane u (unit norm) and log-norm lane rho; sublayers apply controlled rotations.
+
+    Args:
+        d_model: width of the residual stream.
+        n_sublayers: number of sublayers that read and write the stream.
+        theta_max: bound on the angle one sublayer may turn a token by, in radians.
+        alpha_init: initial rotation scale of every sublayer; None means 1/sqrt(n_sublayers).
+        beta_init: initial scale of the radial (log-norm) update of every sublayer.
+        norm_lane_readout: multiply the logits by exp(clamp(rho, -4, 4)), so the norm lane acts as
+            a per-token inverse temperature.
+        kernel: "auto" (Triton on CUDA tensors, PyTorch elsewhere), "triton" or "torch".
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_sublayers: int,
+        theta_max: float = math.pi / 2,
+        alpha_init: float | None = None,
+        beta_init: float = 0.0,
+        norm_lane_readout: bool = False,
+        kernel: str = "auto",
+    ) -> None:
+        super().__init__(d_model, n_sublayers)
+        if not 0 < theta_max <= math.pi:
+            raise ValueError(f"theta_max must be in (0, pi] radians; got {theta_max}.")
+        if kernel not in BACKENDS:
+            raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
+        self.theta_max = theta_max
+        self.norm_lane_readout = norm_lane_readout
+        self.kernel = kernel
+        alpha_init = 1 / math.sqrt(n_sublayers) if alpha_init is None else alpha_init
+        self.gamma = nn.Parameter(torch.ones(n_sublayers, d_model))
+        self.gamma_out = nn.Parameter(torch.ones(d_model))
+        self.alpha = nn.Parameter(torch.full((n_sublayers,), float(alpha_init)))
+        self.beta = nn.Parameter(torch.full((n_sublayers,), float(beta_init)))
+
+    def init_state(self, embedding: Tensor) -> State:
+        e = embedding.float()
+        norm = e.norm(dim=-1).clamp_min(1e-12)
+        return e / norm.unsqueeze(-1), torch.log(norm / math.sqrt(self.d_model))
+
+    def read(self, state: State, index: int) -> Tensor:
+        u, _ = state
+        return math.sqrt(self.d_model) * u * self.gamma[index]
+
+    def write(
+        self, state: State, f: Tensor, gate: Tensor | None, index: int, need_angle: bool = True
+    ) -> tuple[State, Tensor | None]:
+        u, rho = state
+        u_new, rho_new, theta, _ = nag_write(
+            u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max,
+            backend=self.kernel,
+        )
+        return (u_new, rho_new), theta.detach().abs()
+
+    def final(self, state: State) -> tuple[Tensor, Tensor | None]:
+        u, rho = state
+        features = math.sqrt(self.d_model) * u * self.gamma_out
+        if not self.norm_lane_readout:
+            return features, None
+        return features, torch.exp(rho.clamp(-4.0, 4.0)).unsqueeze(-1)
+
+    def state_norm(self, state: State) -> Tensor:
+        _, rho = state
+        return torch.exp(rho)

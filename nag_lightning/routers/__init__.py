@@ -1,0 +1,89 @@
+"""Routers: Mixture-of-Depths decisions, per token and per routed sublayer (DESIGN section 4).
+
+A router sees the sublayer's read input h (B, T, d) and returns a `Route`: which tokens execute the
+sublayer and the gate g each executed token writes with. The sublayer wrapper gathers the executed
+tokens, runs the sublayer on them alone and scatters the results back, so skipped tokens cost no
+compute. After the write the wrapper hands the router the measured contribution angle of the
+executed tokens (`observe`), which a router may learn from; its auxiliary loss is added to the LM
+loss and its statistics are logged.
+
+One router instance serves one sublayer. Which sublayers are routed (kinds, layers) is the model's
+choice, so every router gets it for free.
+
+Adding a router takes one file in this folder: subclass `Router`, decorate it with
+`@ROUTERS.register("name")`; every module here is imported below, so it is registered on import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from nag_lightning.registry import Registry
+
+
+@dataclass
+class Route:
+    """A routing decision for one sublayer.
+
+    Attributes:
+        executed: (B, T) bool, the tokens that run the sublayer; None means all of them.
+        gate: (B, T) gate g in [0, 1] the executed tokens write with; None means 1.
+    """
+
+    executed: Tensor | None = None
+    gate: Tensor | None = None
+
+
+class Router(nn.Module):
+    """Base class of routers; one instance per routed sublayer.
+
+    Args:
+        d_model: width of the sublayer's read input.
+    """
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.aux_loss: Tensor = torch.zeros(())
+
+    def forward(self, h: Tensor) -> Route:
+        """Decide from the read input h (B, T, d) which tokens run the sublayer."""
+        raise NotImplementedError
+
+    def observe(self, h: Tensor, route: Route, contribution: Tensor) -> None:
+        """Learn from the write: `contribution` (B, T) is the measured angle (0 where skipped).
+        Sets `self.aux_loss` for this forward pass."""
+        self.aux_loss = h.new_zeros(())
+
+    def stats(self) -> dict[str, float]:
+        """Router-specific numbers to log (auxiliary losses, predictor accuracy, thresholds)."""
+        return {}
+
+
+ROUTERS: Registry[Router] = Registry("router", "nag_lightning.routers")
+
+
+@ROUTERS.register("none")
+class NoRouter(Router):
+    """Every token runs every sublayer, with g = 1."""
+
+    def forward(self, h: Tensor) -> Route:
+        return Route()
+
+
+def build_router(spec: str | dict, d_model: int, **options: object) -> Router:
+    """Build one router from a YAML spec (a registered name or `{class_path, init_args}`);
+    `options` override the spec's init_args."""
+    cls, init_args = ROUTERS.resolve(spec)
+    return cls(d_model=d_model, **{**init_args, **options})
+
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["ROUTERS", "NoRouter", "Route", "Router", "build_router"]
