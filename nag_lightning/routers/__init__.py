@@ -60,6 +60,10 @@ class Router(nn.Module):
         Sets `self.aux_loss` for this forward pass."""
         self.aux_loss = h.new_zeros(())
 
+    def flops_per_token(self) -> int:
+        """Forward FLOPs (2 x multiply-adds) the router spends per token it scores, for accounting."""
+        return 0
+
     def stats(self) -> dict[str, float]:
         """Router-specific numbers to log (auxiliary losses, predictor accuracy, thresholds)."""
         return {}
