@@ -1,0 +1,106 @@
+"""Depth diagnostics: per-sublayer state norm and contribution angle against depth.
+
+This is the paper's central picture (arXiv 2606.16112, claim 1): in a pre-norm stream the state norm
+grows with depth and each later sublayer turns the state by a smaller angle; under NAG the angle
+stays meaningful at every depth. Logged at every validation, drawn as a PNG at the end of fit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import Tensor
+
+QUANTILES = (0.1, 0.5, 0.9)
+
+
+class DepthDiagnostics(L.Callback):
+    """Logs `depth/angle_mean/{i}_{kind}`, angle quantiles and `depth/state_norm/{i}_{kind}` for
+    every sublayer at validation, and writes `depth_diagnostics.png` beside the logs at fit end.
+
+    Args:
+        max_samples: per-sublayer token angles kept for the quantiles at each validation.
+        filename: name of the PNG written into the first logger's directory.
+    """
+
+    def __init__(self, max_samples: int = 65536, filename: str = "depth_diagnostics.png") -> None:
+        self.max_samples = max_samples
+        self.filename = filename
+        self.history: list[dict] = []  # one entry per validation: step, angle stats, state norms
+        self._angles: list[list[Tensor]] = []
+        self._norms: list[list[Tensor]] = []
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.model.record_diagnostics(True)
+        n = len(pl_module.model.sublayers)
+        self._angles = [[] for _ in range(n)]
+        self._norms = [[] for _ in range(n)]
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, *_) -> None:
+        for i, sublayer in enumerate(pl_module.model.sublayers):
+            kept = sum(a.numel() for a in self._angles[i])
+            if kept < self.max_samples:
+                self._angles[i].append(sublayer.contribution.flatten()[: self.max_samples - kept].cpu())
+            self._norms[i].append(sublayer.state_norm.float().mean().cpu())
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.model.record_diagnostics(False)
+        if not self._norms or not self._norms[0]:
+            return
+        entry = {"step": trainer.global_step, "labels": [], "mean": [], "norm": []}
+        entry.update({f"q{q}": [] for q in QUANTILES})
+        for i, sublayer in enumerate(pl_module.model.sublayers):
+            angles = torch.cat(self._angles[i]).float()
+            label = f"{i // 2}_{sublayer.kind}"
+            entry["labels"].append(label)
+            entry["mean"].append(angles.mean().item())
+            entry["norm"].append(torch.stack(self._norms[i]).mean().item())
+            for q, value in zip(QUANTILES, torch.quantile(angles, torch.tensor(QUANTILES))):
+                entry[f"q{q}"].append(value.item())
+            pl_module.log(f"depth/angle_mean/{label}", entry["mean"][-1])
+            pl_module.log(f"depth/angle_q50/{label}", entry["q0.5"][-1])
+            pl_module.log(f"depth/state_norm/{label}", entry["norm"][-1])
+        if not trainer.sanity_checking:
+            self.history.append(entry)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.history and trainer.is_global_zero:
+            directory = Path(trainer.log_dir or trainer.default_root_dir)
+            plot_depth(self.history, directory / self.filename, str(pl_module.hparams.residual))
+
+    def state_dict(self) -> dict:
+        return {"history": self.history}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history = list(state_dict.get("history", []))
+
+
+def plot_depth(history: list[dict], path: Path, title: str) -> Path:
+    """State norm and contribution angle against sublayer depth, one line per validation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_norm, ax_angle) = plt.subplots(1, 2, figsize=(11, 4))
+    depth = range(len(history[-1]["labels"]))
+    colors = plt.cm.viridis([i / max(len(history) - 1, 1) for i in range(len(history))])
+    for entry, color in zip(history, colors):
+        ax_norm.plot(depth, entry["norm"], color=color, label=f"step {entry['step']}")
+        ax_angle.plot(depth, entry["mean"], color=color)
+    last = history[-1]
+    ax_angle.fill_between(depth, last["q0.1"], last["q0.9"], color=colors[-1], alpha=0.2,
+                          label="10-90% of tokens (last)")
+    ax_norm.set(xlabel="sublayer (depth)", ylabel="state norm", yscale="log",
+                title=f"{title}: state norm after each sublayer")
+    ax_angle.set(xlabel="sublayer (depth)", ylabel="contribution angle (rad)",
+                 title=f"{title}: angle each sublayer turns the state")
+    ax_norm.legend(fontsize=7)
+    ax_angle.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,141 @@
+"""The `nag-lightning` command.
+
+`fit`, `validate`, `test` and `predict` are LightningCLI's, with the model and data module of this
+package and its callbacks and loggers preset. The other commands (`prepare`, and those added by the
+analysis modules) work around training and live in `COMMANDS`.
+
+Bad input ends the command with one sentence on stderr and exit status 1; set
+NAG_LIGHTNING_TRACEBACK=1 to see the whole traceback instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from nag_lightning.callbacks import DepthDiagnostics
+from nag_lightning.data import ByteDataModule
+from nag_lightning.module import ARCHITECTURE_FIELDS, NAGLanguageModel, _normalise
+
+CHECKPOINT_ALIASES = ("last", "best", "hpc", "registry")
+
+
+class NagCLI(LightningCLI):
+    """LightningCLI with this package's model, data, callbacks and loggers."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("model.seq_len", "data.seq_len")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.monitor": "val/bpb",
+                             "checkpoint.filename": "step{step}-bpb{val/bpb:.4f}",
+                             "checkpoint.auto_insert_metric_name": False})
+        parser.add_lightning_class_args(DepthDiagnostics, "depth")
+        parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
+        parser.set_defaults({"lr_monitor.logging_interval": "step"})
+
+    def _parse_ckpt_path(self) -> None:
+        """Refuse a missing checkpoint, and, for `fit`, one of another architecture, before
+        LightningCLI would quietly replace the configured model with the checkpoint's."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and ckpt_path not in CHECKPOINT_ALIASES and "://" not in str(ckpt_path):
+            if not Path(ckpt_path).is_file():
+                raise FileNotFoundError(
+                    f"The checkpoint {ckpt_path} does not exist; give the path of a .ckpt file "
+                    "written by an earlier run (e.g. <run dir>/checkpoints/last.ckpt)."
+                )
+            if subcommand == "fit":
+                check_architecture(ckpt_path, dict(self.config.fit.model))
+        super()._parse_ckpt_path()
+
+
+def check_architecture(ckpt_path: str, model_config: dict) -> None:
+    """Raise one sentence if the checkpoint's architecture differs from `model_config`."""
+    saved = torch.load(ckpt_path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+    differences = [
+        f"{name}={saved[name]!r} (this run: {model_config.get(name)!r})"
+        for name in ARCHITECTURE_FIELDS
+        if name in saved and _normalise(name, saved[name]) != _normalise(name, model_config.get(name))
+    ]
+    if differences:
+        raise ValueError(
+            f"The checkpoint {ckpt_path} was trained with a different architecture: "
+            + ", ".join(differences)
+            + "; resume with the same model settings (e.g. the run's config.yaml) or start a new "
+            "run without ckpt_path."
+        )
+
+
+def run_lightning_cli(args: list[str] | None = None, run: bool = True) -> NagCLI:
+    """The LightningCLI part of the command, also used by tests to parse recipes."""
+    return NagCLI(
+        NAGLanguageModel,
+        ByteDataModule,
+        args=args,
+        run=run,
+        seed_everything_default=42,
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults={
+            "default_root_dir": "runs",
+            "logger": [
+                {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                 "init_args": {"save_dir": "runs", "name": "default"}},
+                {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                 "init_args": {"save_dir": "runs", "name": "default"}},
+            ],
+        },
+    )
+
+
+def prepare_command(args: list[str]) -> None:
+    """`nag-lightning prepare`: tokenize a corpus into litdata chunks ahead of training."""
+    from jsonargparse import ArgumentParser
+
+    from nag_lightning.data import prepare_corpus
+
+    parser = ArgumentParser(prog="nag-lightning prepare", description=prepare_command.__doc__)
+    parser.add_function_arguments(prepare_corpus)
+    cfg = parser.parse_args(args)
+    path = prepare_corpus(**cfg.as_dict())
+    print(f"prepared {path}")
+
+
+# Commands around training: name -> "module:function" taking the remaining arguments, imported only
+# when used so `fit` does not pay for plotting or analysis imports.
+COMMANDS: dict[str, str] = {
+    "prepare": "nag_lightning.cli:prepare_command",
+}
+
+
+def _load_command(name: str) -> Callable[[list[str]], None]:
+    module, _, function = COMMANDS[name].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from_shell = argv is None
+    argv = sys.argv[1:] if from_shell else argv
+    try:
+        if argv and argv[0] in COMMANDS:
+            _load_command(argv[0])(argv[1:])
+        else:
+            if not argv or argv[0] in ("-h", "--help"):
+                print("Commands besides LightningCLI's: " + ", ".join(sorted(COMMANDS))
+                      + " (each takes --help).\n")
+            run_lightning_cli(None if from_shell else argv)
+    except (ValueError, FileNotFoundError, FloatingPointError) as error:
+        if os.environ.get("NAG_LIGHTNING_TRACEBACK"):
+            raise
+        print(f"nag-lightning: error: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

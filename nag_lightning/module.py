@@ -1,0 +1,191 @@
+"""The LightningModule: a `Transformer` trained as a byte-level language model.
+
+Loss is cross-entropy on next-byte prediction, reported as bits per byte (loss / ln 2). AdamW with
+linear warmup and cosine decay; gradient clipping is the Trainer's (`trainer.gradient_clip_val`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics import MeanMetric
+
+from nag_lightning.model import SUBLAYER_KINDS, Transformer, TransformerConfig
+
+# The settings a checkpoint's weights depend on; resuming with any of them changed cannot work.
+ARCHITECTURE_FIELDS = (
+    "vocab_size", "d_model", "n_layers", "n_heads", "mlp_ratio", "residual", "router",
+    "route_kinds", "route_layers",
+)
+
+
+class BitsPerByte(MeanMetric):
+    """Token-weighted mean of the next-byte cross-entropy, in bits (nats / ln 2)."""
+
+    def compute(self) -> Tensor:
+        return super().compute() / math.log(2)
+
+
+class NAGLanguageModel(L.LightningModule):
+    """Byte-level Transformer language model with a pluggable residual stream and router.
+
+    Args:
+        d_model: residual width.
+        n_layers: number of blocks (each an attention and an MLP sublayer).
+        n_heads: attention heads; must divide d_model.
+        mlp_ratio: SwiGLU hidden width over d_model.
+        seq_len: training sequence length (the data module reads the same value).
+        residual: residual strategy: "prenorm", "nag", another registered name, or a
+            {class_path, init_args} mapping.
+        residual_options: keyword options of the residual strategy (e.g. theta_max, kernel).
+        router: router: "none", "topk", "threshold", another registered name, or a
+            {class_path, init_args} mapping.
+        router_options: keyword options of the router (e.g. capacity, tau, target_rate).
+        route_kinds: which sublayer kinds are routed: "attn", "mlp" or both.
+        route_layers: which blocks are routed: "all", "every_other" or a list of block indices.
+        vocab_size: number of token ids (256 for bytes).
+        init_std: standard deviation of linear weights at init.
+        embed_std: standard deviation of the token embedding at init.
+        lr: peak learning rate.
+        min_lr_ratio: final learning rate of the cosine decay, as a fraction of lr.
+        warmup_steps: linear warmup steps.
+        weight_decay: AdamW weight decay of matrices (gains, scalars and embeddings get none).
+        betas: AdamW betas.
+        aux_loss_weight: weight of the routers' auxiliary losses in the training loss.
+    """
+
+    def __init__(
+        self,
+        d_model: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        mlp_ratio: float = 4.0,
+        seq_len: int = 256,
+        residual: str | dict = "nag",
+        residual_options: dict | None = None,
+        router: str | dict = "none",
+        router_options: dict | None = None,
+        route_kinds: list[str] | None = None,
+        route_layers: str | list[int] = "all",
+        vocab_size: int = 256,
+        init_std: float = 0.02,
+        embed_std: float = 1.0,
+        lr: float = 3e-3,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 50,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        aux_loss_weight: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = TransformerConfig(
+            vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+            mlp_ratio=mlp_ratio, seq_len=seq_len, residual=residual,
+            residual_options=dict(residual_options or {}), router=router,
+            router_options=dict(router_options or {}),
+            route_kinds=list(route_kinds or SUBLAYER_KINDS), route_layers=route_layers,
+            init_std=init_std, embed_std=embed_std,
+        )
+        if lr <= 0 or warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
+            raise ValueError(
+                "Need lr > 0, warmup_steps >= 0 and min_lr_ratio in [0, 1]; got "
+                f"lr={lr}, warmup_steps={warmup_steps}, min_lr_ratio={min_lr_ratio}."
+            )
+        self.model = Transformer(self.config)
+        self.val_bpb = BitsPerByte()
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx).logits
+
+    def _loss(self, batch: Tensor) -> tuple[Tensor, Tensor]:
+        """Next-byte cross-entropy (nats) of batch (B, T + 1), and the routers' auxiliary loss."""
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        out = self.model(inputs)
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten())
+        return loss, out.aux_loss
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss, aux = self._loss(batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"The training loss became {loss.item()} at step {self.global_step}; the "
+                "checkpoints already written are kept. Lower model.lr, raise "
+                "model.warmup_steps or set trainer.gradient_clip_val, then resume from the "
+                "last checkpoint."
+            )
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/bpb", loss / math.log(2))
+        if self.hparams.router != "none":
+            self.log("train/aux_loss", aux)
+        return loss + self.hparams.aux_loss_weight * aux
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        loss, _ = self._loss(batch)
+        self.val_bpb.update(loss, weight=batch[:, 1:].numel())
+        self.log("val/bpb", self.val_bpb, prog_bar=True)
+
+    def test_step(self, batch: Tensor, batch_idx: int) -> None:
+        loss, _ = self._loss(batch)
+        self.log("test/bpb", loss / math.log(2))
+
+    def predict_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        """Per-sequence bits per byte of each batch item."""
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self.model(inputs).logits.float()
+        nll = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        return nll.mean(1) / math.log(2)
+
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            # Matrices of the sublayers and the head decay; embeddings, gains and scalars do not.
+            (decay if param.ndim == 2 and not name.startswith(("embed", "strategy")) else no_decay
+             ).append(param)
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr, betas=tuple(hp.betas),
+        )
+        total = max(self.trainer.estimated_stepping_batches, 1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Refuse, in one sentence, a checkpoint whose architecture differs from this model's."""
+        saved = checkpoint.get("hyper_parameters", {})
+        current = asdict(self.config)
+        differences = [
+            f"{name}={saved[name]!r} (this run: {current[name]!r})"
+            for name in ARCHITECTURE_FIELDS
+            if name in saved and _normalise(name, saved[name]) != _normalise(name, current[name])
+        ]
+        if differences:
+            raise ValueError(
+                "The checkpoint was trained with a different architecture: "
+                + ", ".join(differences)
+                + "; resume with the same model settings or start a new run without ckpt_path."
+            )
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Learning-rate factor: linear warmup to 1, then cosine decay to min_ratio at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _normalise(name: str, value: object) -> object:
+    """Compare YAML-loaded and Python values alike: tuples as lists, route_kinds=None as its default."""
+    if name == "route_kinds" and value is None:
+        return list(SUBLAYER_KINDS)
+    return list(value) if isinstance(value, tuple) else value
