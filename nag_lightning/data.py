@@ -1,0 +1,417 @@
+"""Byte-level language-modelling data: text -> litdata token chunks -> streaming batches.
+
+Text is read as raw bytes (vocab 256, one token per byte) and tokenized ONCE, in `prepare_corpus`,
+into litdata chunks under `cache_dir/<hash>/{train,val}`. Training then streams fixed blocks of
+`seq_len + 1` bytes with litdata's `StreamingDataset` + `TokensLoader`, read by a
+`StreamingDataLoader`, so sharding across ranks and workers and mid-epoch resume come from litdata
+(Lightning stores a stateful loader's `state_dict()` in every checkpoint and restores it on resume).
+
+    files --(last val_fraction of each file's bytes)--> val/   chunk-*.bin + index.json
+          --(the rest)--------------------------------> train/ chunk-*.bin + index.json
+
+The hash covers the resolved files (paths, sizes, mtimes), `val_fraction` and `max_bytes`, so a
+second run reuses the cache and a changed corpus re-tokenizes. `seq_len` is not in the hash: the
+chunks are one flat token stream, cut into blocks only when read.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import inspect
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import sysconfig
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from litdata import StreamingDataLoader, StreamingDataset, TokensLoader, optimize
+
+# Bump when the on-disk layout or the split rule changes, so old caches are not reused.
+_CACHE_VERSION = 1
+_META = "meta.json"
+_CHUNK_BYTES = "16MB"  # one chunk per 16 MB of tokens: rank/worker sharding works on whole chunks
+_READ_BYTES = 1 << 22  # `optimize` receives a file in pieces of at most 4 MiB
+# The default corpus, the interpreter's own standard library, is about 32 MB of .py (Python 3.11,
+# tests included), tokenized in about a second on 2 CPU cores. The cap bounds other builds.
+DEFAULT_STDLIB_MAX_BYTES = 64 * 2**20
+# Forking starts litdata's worker in ~0.1 s; spawning re-imports torch, ~10 s per `optimize` call.
+_START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+# Marks cache_dir as a cache (https://bford.info/cachedir/): corpus scans and backups skip it.
+_CACHEDIR_TAG = "CACHEDIR.TAG"
+_CACHEDIR_SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55\n# nag-lightning token cache\n"
+
+
+def stdlib_files() -> list[Path]:
+    """The running interpreter's standard-library `.py` files, sorted; installed packages excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
+    return sorted(files)
+
+
+def _is_text(path: Path) -> bool:
+    """A file is text unless its first 8 KiB hold a NUL byte (the rule git and grep use)."""
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8192)
+
+
+def _files_under(folder: Path) -> list[Path]:
+    """Text files under `folder`, recursively, sorted; hidden entries and caches skipped."""
+    files = []
+    for sub, dirs, names in os.walk(folder):
+        if _CACHEDIR_TAG in names:  # e.g. our own cache_dir inside the corpus folder
+            dirs[:] = []
+            continue
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS]
+        files += [Path(sub, n) for n in names if not n.startswith(".")]
+    return sorted(f for f in files if f.is_file() and _is_text(f))
+
+
+def resolve_files(source: str | list[str] | None) -> list[Path]:
+    """Expand `source` (None = stdlib, or files, directories and globs) into a sorted file list."""
+    if source is None:
+        return stdlib_files()
+    files: list[Path] = []
+    for item in [source] if isinstance(source, str) else source:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            files += _files_under(path)
+        elif path.is_file():
+            files.append(path)
+        elif glob.has_magic(item):
+            matches = sorted(glob.glob(os.path.expanduser(item), recursive=True))
+            if not matches:
+                raise FileNotFoundError(
+                    f"The glob {item!r} in data.source matches no files; check the pattern "
+                    "(use '**' to search subdirectories)."
+                )
+            for m in map(Path, matches):
+                files += _files_under(m) if m.is_dir() else [m] if m.is_file() else []
+        else:
+            raise FileNotFoundError(
+                f"{item!r} does not exist; give an existing file, directory or glob in data.source."
+            )
+    return list(dict.fromkeys(f.resolve() for f in files))  # drop duplicates, keep order
+
+
+def _is_remote(source: str) -> bool:
+    return "://" in source
+
+
+def optimized_dir(source: str | list[str] | None) -> str | None:
+    """Return `source` if it is already tokenized (object-store URI or folder with train/ and val/)."""
+    if not isinstance(source, str):
+        return None
+    if _is_remote(source):
+        return source.rstrip("/")
+    path = Path(source).expanduser()
+    if (path / "train" / "index.json").is_file() and (path / "val" / "index.json").is_file():
+        return str(path.resolve())
+    if (path / "index.json").is_file():
+        raise ValueError(
+            f"{source!r} is one optimized litdata dataset, but data.source needs a folder holding "
+            "two, train/ and val/; give the text instead, or a folder from `nag-lightning prepare`."
+        )
+    return None
+
+
+def _cap(files: list[Path], max_bytes: int | None) -> list[Path]:
+    """The leading files that hold the first `max_bytes` bytes (the last one possibly cut)."""
+    if max_bytes is None:
+        return files
+    kept, total = [], 0
+    for f in files:
+        if total >= max_bytes:
+            break
+        kept.append(f)
+        total += f.stat().st_size
+    return kept
+
+
+def _split(
+    files: list[Path], val_fraction: float, max_bytes: int | None
+) -> dict[str, list[tuple[str, int, int]]]:
+    """Byte ranges (path, start, end) per split: the last `val_fraction` of each file's bytes is
+    validation, so the split is deterministic, disjoint and works for a single file."""
+    splits: dict[str, list[tuple[str, int, int]]] = {"train": [], "val": []}
+    budget = max_bytes if max_bytes is not None else float("inf")
+    for f in files:
+        size = int(min(f.stat().st_size, budget))
+        budget -= size
+        cut = size - round(size * val_fraction)
+        splits["train"] += [(str(f), 0, cut)] if cut > 0 else []
+        splits["val"] += [(str(f), cut, size)] if size > cut else []
+    return splits
+
+
+def _corpus_hash(files: list[Path], val_fraction: float, max_bytes: int | None) -> str:
+    stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = json.dumps([_CACHE_VERSION, stats, val_fraction, max_bytes])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _read_tokens(piece: tuple[str, int, int]) -> Iterator[torch.Tensor]:
+    """litdata `optimize` worker: yield a byte range of one file as uint8 tokens, 4 MiB at a time."""
+    path, start, end = piece
+    with open(path, "rb") as f:
+        f.seek(start)
+        while start < end:
+            data = f.read(min(_READ_BYTES, end - start))
+            if not data:  # the file shrank since it was listed
+                return
+            start += len(data)
+            yield torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _tokenize(splits: dict[str, list[tuple[str, int, int]]], output_dir: Path) -> None:
+    """Run litdata `optimize` once per split; meant to run in a child process (see `_in_child`)."""
+    # litdata stages files in $TMPDIR/chunks and $TMPDIR/data and deletes both on every run, even
+    # those of other jobs: point them into our own temporary folder.
+    os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = str(output_dir / ".litdata" / "chunks")
+    os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(output_dir / ".litdata" / "data")
+    for split, pieces in splits.items():
+        # One worker, inputs in order: the token stream is the files in sorted order, the same on
+        # every run (several workers would interleave files in whatever order they finish).
+        optimize(
+            fn=_read_tokens,
+            inputs=pieces,
+            output_dir=str(output_dir / split),
+            chunk_bytes=_CHUNK_BYTES,
+            item_loader=TokensLoader(),
+            num_workers=1,
+            reorder_files=False,
+            keep_data_ordered=True,
+            start_method=_START_METHOD,
+            verbose=False,
+        )
+    shutil.rmtree(output_dir / ".litdata", ignore_errors=True)
+
+
+def _in_child(fn: Callable[..., None], *args: Any) -> None:
+    """Run `fn` in a child process and re-raise its error here.
+
+    `optimize` changes global state of the process that calls it: it reseeds `random`, NumPy and
+    torch with 42 (so a run that tokenizes would train differently from one that hits the cache),
+    forces the multiprocessing start method and sets environment variables. A child keeps all of
+    that out of the training process.
+    """
+    context = multiprocessing.get_context(_START_METHOD)
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        pool.submit(fn, *args).result()
+
+
+def _too_short(split: str, size: int, block: int) -> ValueError:
+    if block <= 1:
+        return ValueError(
+            f"The {split} split of the corpus is empty; change data.val_fraction or give more text."
+        )
+    return ValueError(
+        f"The {split} split of the corpus has {size} bytes, fewer than one sequence of "
+        f"data.seq_len + 1 = {block} bytes; lower data.seq_len or data.val_fraction, "
+        "or give more text."
+    )
+
+
+def prepare_corpus(
+    source: str | list[str] | None = None,
+    cache_dir: str | Path = "data_cache",
+    val_fraction: float = 0.05,
+    max_bytes: int | None = None,
+    seq_len: int | None = None,
+) -> Path | str:
+    """Tokenize `source` into `cache_dir/<hash>/{train,val}` once; return that folder.
+
+    A complete cache for the same files is reused as is. Writing goes to a temporary folder renamed
+    into place at the end, so an interrupted run never leaves a cache that looks complete. An
+    already optimized `source` (see `optimized_dir`) is returned unchanged (a URI stays a string).
+    With `seq_len`, each split must hold at least one sequence of `seq_len + 1` bytes.
+    """
+    _check_fraction(val_fraction)
+    if (ready := optimized_dir(source)) is not None:
+        return ready if _is_remote(ready) else Path(ready)
+    if max_bytes is None and source is None:
+        max_bytes = DEFAULT_STDLIB_MAX_BYTES
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"data.max_bytes must be positive or null (no cap), got {max_bytes}.")
+    files = _cap(resolve_files(source), max_bytes)
+    splits = _split(files, val_fraction, max_bytes)
+    sizes = {name: sum(end - start for _, start, end in pieces) for name, pieces in splits.items()}
+    if sum(sizes.values()) == 0:
+        raise ValueError(
+            f"The corpus in data.source={source!r} is empty ({len(files)} files, 0 bytes); give "
+            "files that contain text (in folders, files holding NUL bytes are skipped as binary)."
+        )
+    for name, size in sizes.items():
+        if size < (seq_len or 0) + 1:
+            raise _too_short(name, size, (seq_len or 0) + 1)
+    target = Path(cache_dir).expanduser().resolve() / _corpus_hash(files, val_fraction, max_bytes)
+    if (target / _META).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (target.parent / _CACHEDIR_TAG).write_text(_CACHEDIR_SIGNATURE)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _in_child(_tokenize, splits, tmp)
+        meta = {
+            "source": source or "stdlib",
+            "files": len(files),
+            "val_fraction": val_fraction,
+            "max_bytes": max_bytes,
+            **{f"{name}_bytes": size for name, size in sizes.items()},
+        }
+        (tmp / _META).write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished the same cache first: keep theirs
+            if not (target / _META).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def token_counts(prepared: str | Path) -> dict[str, int]:
+    """Number of tokens (bytes) in the train and val splits of a prepared folder."""
+    return {split: sum(c["dim"] for c in _chunks(Path(prepared) / split)) for split in ("train", "val")}
+
+
+def _chunks(split_dir: Path) -> list[dict]:
+    return json.loads((split_dir / "index.json").read_text())["chunks"]
+
+
+def _check_fraction(val_fraction: float) -> None:
+    if not 0 < val_fraction < 1:
+        raise ValueError(
+            f"data.val_fraction must be between 0 and 1 (exclusive), got {val_fraction}; "
+            "0.05 keeps the last 5% of every file for validation."
+        )
+
+
+# Newer litdata shuffles items within a chunk only inside windows of 256 blocks unless told to
+# permute the whole chunk; older releases always permuted the whole chunk.
+_FULL_SHUFFLE = (
+    {"item_shuffle_window": 0}
+    if "item_shuffle_window" in inspect.signature(StreamingDataset).parameters
+    else {}
+)
+
+
+def _collate(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Stack uint8 blocks into the LongTensor (batch, seq_len + 1) the model embeds."""
+    return torch.stack(blocks).long()
+
+
+class ByteDataModule(L.LightningDataModule):
+    """Byte-level text (vocab 256) tokenized once into litdata chunks and streamed in blocks.
+
+    Batches are LongTensors (batch_size, seq_len + 1) of byte values 0..255.
+    """
+
+    vocab_size: int = 256
+
+    def __init__(
+        self,
+        source: str | list[str] | None = None,
+        seq_len: int = 256,
+        batch_size: int = 16,
+        val_fraction: float = 0.05,
+        cache_dir: str = "data_cache",
+        num_workers: int = 0,
+        seed: int = 42,
+        max_bytes: int | None = None,
+    ) -> None:
+        """
+        Args:
+            source: Text to train on: a file, a directory (all text files under it), a glob, or a
+                list of these; or a folder with train/ and val/ already optimized by litdata, or an
+                object-store URI (s3://...) holding them. None: this Python's standard library.
+            seq_len: Tokens (bytes) of context per sample; each sample has seq_len + 1 bytes.
+            batch_size: Samples per batch on each device.
+            val_fraction: Fraction of every file, taken from its end, held out for validation.
+            cache_dir: Folder for the tokenized corpus; one subfolder per distinct corpus.
+            num_workers: DataLoader worker processes per device (0: load in the main process).
+            seed: Seed of the training shuffle (reshuffled every epoch).
+            max_bytes: Use at most this many bytes of the corpus, files in sorted order; None: all
+                of it (the standard library is capped at 64 MiB).
+        """
+        super().__init__()
+        if seq_len < 2:
+            raise ValueError(f"data.seq_len must be at least 2, got {seq_len}.")
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be at least 1, got {batch_size}.")
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers must be 0 or more, got {num_workers}.")
+        _check_fraction(val_fraction)
+        self.save_hyperparameters()
+        self.source, self.seq_len, self.batch_size = source, seq_len, batch_size
+        self.val_fraction, self.cache_dir, self.max_bytes = val_fraction, cache_dir, max_bytes
+        self.num_workers, self.seed = num_workers, seed
+        self.train_set: StreamingDataset | None = None
+        self.val_set: StreamingDataset | None = None
+
+    def prepare_data(self) -> None:
+        """Tokenize the corpus (once per node: Lightning calls this on local rank 0 only)."""
+        prepare_corpus(self.source, self.cache_dir, self.val_fraction, self.max_bytes, self.seq_len)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Open the prepared splits as streaming datasets (on every rank, after `prepare_data`)."""
+        # A complete cache is found by its hash, so this only re-tokenizes if `prepare_data` did not
+        # run on this machine (e.g. `prepare_data_per_node=False` without a shared file system).
+        root = prepare_corpus(self.source, self.cache_dir, self.val_fraction, self.max_bytes, self.seq_len)
+        self.train_set = self._dataset(root, "train", shuffle=True)
+        self.val_set = self._dataset(root, "val", shuffle=False)
+
+    def _dataset(self, root: str | Path, split: str, shuffle: bool) -> StreamingDataset:
+        block = self.seq_len + 1  # inputs [:, :-1], targets [:, 1:]
+        remote_cache = None
+        if _is_remote(str(root)):  # downloaded chunks go under cache_dir, not ~/.lightning/chunks
+            key = hashlib.sha256(str(root).encode()).hexdigest()[:16]
+            remote_cache = str(Path(self.cache_dir).expanduser().resolve() / "remote" / key / split)
+        else:
+            chunks = _chunks(Path(root, split))
+            if sum(c["dim"] // block for c in chunks) == 0:  # blocks never straddle two chunks
+                raise _too_short(split, sum(c["dim"] for c in chunks), block)
+        return StreamingDataset(
+            f"{root}/{split}",
+            cache_dir=remote_cache,
+            item_loader=TokensLoader(block_size=block),
+            shuffle=shuffle,
+            seed=self.seed,
+            **_FULL_SHUFFLE,
+        )
+
+    def _loader(self, dataset: StreamingDataset | None) -> StreamingDataLoader:
+        if dataset is None:
+            raise RuntimeError("Call ByteDataModule.setup() before asking for a dataloader.")
+        return StreamingDataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            collate_fn=_collate,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def train_dataloader(self) -> StreamingDataLoader:
+        """Shuffled blocks, reshuffled each epoch; sharded over ranks and workers, resumable."""
+        return self._loader(self.train_set)
+
+    def val_dataloader(self) -> StreamingDataLoader:
+        """The held-out end of every file, in corpus order."""
+        return self._loader(self.val_set)
+
+    def test_dataloader(self) -> StreamingDataLoader:
+        """There is no third split: `test` reports on the validation bytes."""
+        return self._loader(self.val_set)
