@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from nag_lightning.callbacks import DepthDiagnostics
@@ -37,8 +37,6 @@ class NagCLI(LightningCLI):
                              "checkpoint.filename": "step{step}-bpb{val/bpb:.4f}",
                              "checkpoint.auto_insert_metric_name": False})
         parser.add_lightning_class_args(DepthDiagnostics, "depth")
-        parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
-        parser.set_defaults({"lr_monitor.logging_interval": "step"})
 
     def _parse_ckpt_path(self) -> None:
         """Refuse a missing checkpoint, and, for `fit`, one of another architecture, before

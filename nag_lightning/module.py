@@ -120,6 +120,7 @@ class NAGLanguageModel(L.LightningModule):
                 "last checkpoint."
             )
         self.log("train/loss", loss, prog_bar=True)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         self.log("train/bpb", loss / math.log(2))
         if self.hparams.router != "none":
             self.log("train/aux_loss", aux)

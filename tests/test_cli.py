@@ -1,0 +1,187 @@
+"""The `nag-lightning` command end to end: recipes, fit, exact resume, and bad input."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from nag_lightning.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
+DEBUG = str(ROOT / "recipes" / "debug.yaml")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """One data cache for the whole session, so the debug corpus is tokenized once."""
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """Run the command in-process; return its exit status, stdout and stderr."""
+    try:
+        main(args)
+        status = 0
+    except SystemExit as exit_:
+        status = exit_.code if isinstance(exit_.code, int) else 1
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(ROOT / "recipes")))
+def test_every_recipe_parses(recipe, capsys):
+    status, printed, err = run_cli(["fit", "--config", str(recipe), "--print_config"], capsys)
+    assert status == 0, err
+    assert "residual:" in printed and "max_steps:" in printed
+
+
+def test_fit_debug_recipe_through_the_console_command(tmp_path, cache_dir):
+    command = shutil.which("nag-lightning") or pytest.fail("the nag-lightning command is not installed")
+    result = subprocess.run(
+        [command, "fit", "--config", DEBUG, f"--data.cache_dir={cache_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / "debug" / "version_0"
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert (run / "depth_diagnostics.png").stat().st_size > 10_000
+    metrics = (run / "metrics.csv").read_text()
+    assert "val/bpb" in metrics and "depth/angle_mean/0_attn" in metrics and "train/lr" in metrics
+
+
+class StopAfter(L.Callback):
+    """Simulates a crash: raises once `step` optimizer steps are done (after checkpoints)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def fit_args(tmp_path: Path, cache_dir: str, *extra: str) -> list[str]:
+    return [
+        "fit", "--config", DEBUG, f"--data.cache_dir={cache_dir}",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.max_steps=8", "--trainer.val_check_interval=4",
+        "--checkpoint.every_n_train_steps=3", "--checkpoint.save_top_k=-1",
+        "--checkpoint.monitor=null", f"--checkpoint.dirpath={tmp_path / 'ckpt'}",
+        "--checkpoint.filename=step{step}", *extra,
+    ]
+
+
+def final_weights(cli) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in cli.model.state_dict().items()}
+
+
+def test_resume_mid_epoch_gives_the_same_weights(tmp_path, cache_dir, monkeypatch):
+    from nag_lightning.cli import run_lightning_cli
+
+    monkeypatch.chdir(tmp_path)
+    straight = run_lightning_cli(fit_args(tmp_path / "a", cache_dir))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_lightning_cli(
+            fit_args(tmp_path / "b", cache_dir, "--trainer.callbacks+=tests.test_cli.StopAfter",
+                     "--trainer.callbacks.step=5")
+        )
+    checkpoint = tmp_path / "b" / "ckpt" / "step3.ckpt"  # mid-epoch: the epoch is far longer
+    assert checkpoint.is_file() and not (tmp_path / "b" / "ckpt" / "step6.ckpt").exists()
+    resumed = run_lightning_cli(fit_args(tmp_path / "b", cache_dir, f"--ckpt_path={checkpoint}"))
+    assert resumed.trainer.global_step == straight.trainer.global_step == 8
+    a, b = final_weights(straight), final_weights(resumed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+    loss_a = straight.trainer.callback_metrics["train/loss"]
+    loss_b = resumed.trainer.callback_metrics["train/loss"]
+    torch.testing.assert_close(loss_a, loss_b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--model.residual=postnorm"], "Unknown residual strategy 'postnorm'; registered: nag, prenorm"),
+        (["--model.d_model=33"], "must be divisible by model.n_heads"),
+        (["--model.seq_len=1"], "seq_len must be at least 2"),
+        (["--data.source=/no/such/corpus.txt"], "does not exist"),
+        (["--ckpt_path=/no/such/run/last.ckpt"], "The checkpoint /no/such/run/last.ckpt does not exist"),
+    ],
+)
+def test_bad_input_gets_one_sentence(extra, message, tmp_path, cache_dir, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run_cli(["fit", "--config", DEBUG, f"--data.cache_dir={cache_dir}", *extra], capsys)
+    assert status == 1
+    lines = [line for line in err.strip().splitlines() if line.startswith("nag-lightning: error:")]
+    assert len(lines) == 1, err[-2000:]
+    assert re.search(message, lines[0]), lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), [("", "empty"), ("short text", "shorter than one sequence|fewer")]
+)
+def test_bad_corpus_gets_one_sentence(text, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    status, _, err = run_cli(
+        ["fit", "--config", DEBUG, f"--data.source={corpus}", f"--data.cache_dir={tmp_path}/c"], capsys
+    )
+    assert status == 1 and "Traceback" not in err
+    assert re.search(message, err, flags=re.I), err[-2000:]
+
+
+def test_resuming_another_architecture_is_refused(tmp_path, cache_dir, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--config", DEBUG, f"--data.cache_dir={cache_dir}", "--trainer.max_steps=2"]
+    assert run_cli(args, capsys)[0] == 0
+    checkpoint = next(tmp_path.rglob("last.ckpt"))
+    status, _, err = run_cli([*args, "--model.d_model=64", f"--ckpt_path={checkpoint}"], capsys)
+    assert status == 1
+    assert "different architecture: d_model=32 (this run: 64)" in err
+
+
+class PoisonWeights(L.Callback):
+    """Makes the loss NaN from step `step` on, as a diverging run would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.model.head.weight.fill_(float("nan"))
+
+
+def test_nan_loss_stops_with_a_sentence_and_keeps_checkpoints(tmp_path, cache_dir, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run_cli(
+        fit_args(tmp_path, cache_dir, "--trainer.callbacks+=tests.test_cli.PoisonWeights",
+                 "--trainer.callbacks.step=4"),
+        capsys,
+    )
+    assert status == 1 and "Traceback" not in err
+    assert "The training loss became nan at step 4" in err
+    kept = torch.load(tmp_path / "ckpt" / "step3.ckpt", weights_only=False)
+    assert kept["global_step"] == 3
+    assert all(torch.isfinite(v).all() for v in kept["state_dict"].values() if v.is_floating_point())
+
+
+def test_help_lists_the_extra_commands(capsys):
+    status, out, _ = run_cli(["--help"], capsys)
+    assert status == 0
+    assert "prepare" in out and "fit" in out
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))

@@ -1,0 +1,123 @@
+"""The Transformer and the plugin registries, parametrized over every registered residual strategy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nag_lightning.registry as registry_module
+from nag_lightning import RESIDUALS, ROUTERS, Transformer, TransformerConfig
+from nag_lightning.registry import Registry
+from nag_lightning.residuals import ResidualStrategy
+from nag_lightning.residuals.prenorm import PreNormResidual
+
+
+def tiny(residual="nag", **overrides) -> Transformer:
+    torch.manual_seed(0)
+    cfg = dict(d_model=32, n_layers=3, n_heads=4, seq_len=24, residual=residual)
+    return Transformer(TransformerConfig(**{**cfg, **overrides}))
+
+
+@pytest.mark.parametrize("residual", RESIDUALS.names())
+def test_forward_backward_without_nan(residual):
+    model = tiny(residual)
+    idx = torch.randint(0, 256, (2, 24))
+    out = model(idx)
+    assert out.logits.shape == (2, 24, 256)
+    loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), idx.roll(-1, 1).flatten())
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, param in model.named_parameters():
+        # A strategy may hold parameters the loss does not see in some settings (NAG's beta moves
+        # only the norm lane, which reaches the logits only with norm_lane_readout).
+        if name.startswith("strategy.") and param.grad is None:
+            continue
+        assert param.grad is not None, f"{name} got no gradient"
+        assert torch.isfinite(param.grad).all(), f"{name} has a non-finite gradient"
+
+
+def test_nag_norm_lane_reaches_the_loss_only_through_the_readout():
+    for readout in (False, True):
+        model = tiny("nag", residual_options={"norm_lane_readout": readout, "beta_init": 0.1})
+        model(torch.randint(0, 256, (2, 8))).logits.square().mean().backward()
+        assert (model.strategy.beta.grad is not None) == readout
+
+
+@pytest.mark.parametrize("residual", RESIDUALS.names())
+def test_causality(residual):
+    model = tiny(residual).eval()
+    idx = torch.randint(0, 256, (2, 24))
+    changed = idx.clone()
+    t = 10
+    changed[:, t + 1 :] = torch.randint(0, 256, (2, 24 - t - 1))
+    with torch.no_grad():
+        a, b = model(idx).logits, model(changed).logits
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], atol=1e-5, rtol=0)
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])  # the change is visible after t
+
+
+def test_depth_diagnostics_are_recorded_on_request():
+    model = tiny("prenorm")
+    model(torch.randint(0, 256, (2, 8)))
+    assert all(s.contribution is None for s in model.sublayers)
+    model.record_diagnostics(True)
+    model(torch.randint(0, 256, (2, 8)))
+    for sublayer in model.sublayers:
+        assert sublayer.contribution.shape == (2, 8) and sublayer.state_norm.shape == (2, 8)
+        assert (sublayer.contribution >= 0).all()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"d_model": 30, "n_heads": 4}, "must be divisible by model.n_heads"),
+        ({"seq_len": 1}, "seq_len must be at least 2"),
+        ({"route_kinds": ["attn", "ffn"]}, "sublayer kinds \\['ffn'\\] that do not exist"),
+        ({"route_layers": [7]}, "route_layers must be"),
+        ({"residual": "postnorm"}, "Unknown residual strategy 'postnorm'; registered: nag, prenorm"),
+        ({"router": "random"}, "Unknown router 'random'; registered: .*none"),
+    ],
+)
+def test_bad_config_says_what_to_fix(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**overrides)
+
+
+def test_input_longer_than_seq_len_is_refused():
+    with pytest.raises(ValueError, match="more than model.seq_len = 24"):
+        tiny()(torch.zeros(1, 25, dtype=torch.long))
+
+
+def test_registry_refuses_duplicates_and_resolves_class_paths():
+    with pytest.raises(ValueError, match="already registered"):
+        RESIDUALS.register("prenorm")(type("Other", (ResidualStrategy,), {}))
+    path = "nag_lightning.residuals.prenorm.PreNormResidual"
+    assert RESIDUALS.get(path) is PreNormResidual
+    cls, options = RESIDUALS.resolve({"class_path": path, "init_args": {"eps": 1e-5}})
+    assert cls is PreNormResidual and options == {"eps": 1e-5}
+    model = tiny({"class_path": path, "init_args": {"eps": 1e-5}})
+    assert isinstance(model.strategy, PreNormResidual) and model.strategy.eps == 1e-5
+    with pytest.raises(ValueError, match="Cannot import the residual strategy class"):
+        RESIDUALS.get("nag_lightning.residuals.nope.Missing")
+    with pytest.raises(ValueError, match="takes only 'class_path' and 'init_args'"):
+        RESIDUALS.resolve({"class_path": path, "eps": 1})
+    assert "none" in ROUTERS.names()
+
+
+def test_registry_loads_entry_point_plugins(monkeypatch):
+    class FakeEntryPoint:
+        name = "fake"
+
+        def load(self):
+            return PreNormResidual
+
+    seen = {}
+
+    def fake_entry_points(group):
+        seen["group"] = group
+        return [FakeEntryPoint()]
+
+    monkeypatch.setattr(registry_module, "entry_points", fake_entry_points)
+    registry = Registry("residual strategy", "nag_lightning.residuals")
+    assert registry.get("fake") is PreNormResidual
+    assert seen["group"] == "nag_lightning.residuals"
