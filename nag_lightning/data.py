@@ -110,6 +110,15 @@ def _is_remote(source: str) -> bool:
     return "://" in source
 
 
+def _is_litdata(folder: Path) -> bool:
+    """Whether `folder` holds a litdata index (and not just any file named index.json)."""
+    try:
+        index = json.loads((folder / "index.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(index, dict) and {"chunks", "config"} <= index.keys()
+
+
 def optimized_dir(source: str | list[str] | None) -> str | None:
     """Return `source` if it is already tokenized (object-store URI or folder with train/ and val/)."""
     if not isinstance(source, str):
@@ -117,9 +126,9 @@ def optimized_dir(source: str | list[str] | None) -> str | None:
     if _is_remote(source):
         return source.rstrip("/")
     path = Path(source).expanduser()
-    if (path / "train" / "index.json").is_file() and (path / "val" / "index.json").is_file():
+    if _is_litdata(path / "train") and _is_litdata(path / "val"):
         return str(path.resolve())
-    if (path / "index.json").is_file():
+    if _is_litdata(path):
         raise ValueError(
             f"{source!r} is one optimized litdata dataset, but data.source needs a folder holding "
             "two, train/ and val/; give the text instead, or a folder from `nag-lightning prepare`."

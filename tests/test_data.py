@@ -38,10 +38,11 @@ def cut(content: bytes, val_fraction: float = 0.05) -> int:
 
 @pytest.fixture
 def corpus(tmp_path: Path) -> dict[str, bytes]:
-    """Two files in a folder (one nested), plus a hidden file and a binary file that are skipped."""
+    """Three text files in a folder, in sorted order (one nested, one an index.json that is not
+    litdata's), plus a hidden file and a binary file that are skipped."""
     files = {
-        "a.txt": write(tmp_path / "corpus" / "a.txt", 3000, seed=1),
-        "sub/b.py": write(tmp_path / "corpus" / "sub" / "b.py", 1700, seed=2),
+        name: write(tmp_path / "corpus" / name, size, seed)
+        for name, size, seed in [("a.txt", 3000, 1), ("index.json", 400, 2), ("sub/b.py", 1700, 3)]
     }
     (tmp_path / "corpus" / ".hidden").write_text("never read")
     (tmp_path / "corpus" / "image.bin").write_bytes(b"\x89PNG\0\0\0binary")
@@ -97,9 +98,9 @@ def test_a_single_file_and_a_glob_work(tmp_path, corpus):
 
 def test_max_bytes_caps_the_corpus(tmp_path, corpus):
     root = prepare_corpus(str(tmp_path / "corpus"), tmp_path / "c", max_bytes=3500)
-    # a.txt whole (3000 bytes), then the first 500 bytes of sub/b.py, each split 95/5
-    head = corpus["sub/b.py"][:500]
-    assert stream(root / "train") == corpus["a.txt"][: cut(corpus["a.txt"])] + head[: cut(head)]
+    # a.txt and index.json whole (3400 bytes), then the first 100 bytes of sub/b.py
+    kept = [corpus["a.txt"], corpus["index.json"], corpus["sub/b.py"][:100]]
+    assert stream(root / "train") == b"".join(c[: cut(c)] for c in kept)
     assert sum(token_counts(root).values()) == 3500
 
 
@@ -120,7 +121,7 @@ def test_the_cache_is_reused_and_a_changed_corpus_retokenizes(tmp_path, corpus, 
         with pytest.raises(AssertionError, match="re-tokenized"):
             prepare_corpus(source, cache, val_fraction=0.2)
 
-    new = write(tmp_path / "corpus" / "a.txt", 2000, seed=3)
+    new = write(tmp_path / "corpus" / "a.txt", 2000, seed=9)
     changed = prepare_corpus(source, cache)
     assert changed != first and first.is_dir()
     assert stream(changed / "train").startswith(new[: cut(new)])
@@ -164,8 +165,13 @@ def test_an_already_prepared_folder_is_a_source(tmp_path, corpus):
     assert next(iter(dm.val_dataloader())).shape == (2, SEQ + 1)
     # the sequence check also applies to prepared folders, after the fact
     too_long = ByteDataModule(str(root), seq_len=1000, cache_dir=str(tmp_path / "other"))
-    with pytest.raises(ValueError, match=r"The val split of the corpus has 235 bytes, fewer than one"):
+    with pytest.raises(ValueError, match=r"The val split of the corpus has 255 bytes, fewer than one"):
         too_long.setup("fit")
+
+
+def test_object_store_uris_pass_through_unchanged(tmp_path):
+    assert prepare_corpus("s3://bucket/corpus/", tmp_path / "c") == "s3://bucket/corpus"
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.mark.parametrize(
@@ -219,7 +225,7 @@ def test_bad_sources_get_one_sentence(tmp_path):
         setup(str(tmp_path / "short.txt"), max_bytes=0)
 
     (tmp_path / "one").mkdir()
-    (tmp_path / "one" / "index.json").write_text("{}")
+    (tmp_path / "one" / "index.json").write_text('{"chunks": [], "config": {}}')
     with pytest.raises(ValueError, match="is one optimized litdata dataset, but data.source needs"):
         setup(str(tmp_path / "one"))
     assert not (tmp_path / "c").exists()  # nothing written for bad input
