@@ -1,0 +1,129 @@
+"""Training-step time and peak memory of NAG over the pre-norm baseline, side by side in one process.
+
+    python benchmarks/bench_residual_step.py                       # CPU: d=256, 8 layers, seq 256
+    python benchmarks/bench_residual_step.py --device cuda --d-model 2048 --n-layers 24 \
+        --seq-len 2048 --batch 8 --precision bf16-mixed           # a GPU-sized model
+
+Each step is forward, backward and an AdamW update. The two models are timed in alternation
+(ABAB...), so drifts in machine load hit both, and the median is reported. Peak memory is
+`torch.cuda.max_memory_allocated` on a GPU; on CPU it is the bytes held by parameters, gradients,
+optimizer state and the tensors autograd saves for backward (deduplicated by storage), at the end
+of the forward pass, which is where a training step peaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from nag_lightning import Transformer, TransformerConfig
+
+
+def build(residual: str, args: argparse.Namespace) -> tuple[Transformer, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, seq_len=args.seq_len,
+        residual=residual,
+        residual_options={"kernel": args.kernel} if residual == "nag" else {},
+    )
+    model = Transformer(cfg).to(args.device)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def autocast(args: argparse.Namespace):
+    if args.precision == "bf16-mixed":
+        return torch.autocast(device_type=torch.device(args.device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tensor, args) -> None:
+    with autocast(args):
+        logits = model(batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def cpu_peak_bytes(model, optimizer, batch, args) -> int:
+    """Parameters + gradients + AdamW state + tensors saved for backward, at the end of forward."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(args):
+        logits = model(batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    del loss, logits
+    # AdamW keeps two moments per parameter; gradients match the parameters.
+    return sum(saved.values()) + params * 4
+
+
+def gpu_peak_bytes(model, optimizer, batch, args) -> int:
+    step(model, optimizer, batch, args)  # optimizer state exists from here on
+    sync(args.device)
+    torch.cuda.reset_peak_memory_stats()
+    step(model, optimizer, batch, args)
+    sync(args.device)
+    return torch.cuda.max_memory_allocated()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--n-layers", type=int, default=8)
+    parser.add_argument("--n-heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
+    parser.add_argument("--kernel", choices=("auto", "triton", "torch"), default="auto")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+
+    batch = torch.randint(0, 256, (args.batch, args.seq_len + 1), device=args.device)
+    models = {name: build(name, args) for name in ("prenorm", "nag")}
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for i in range(args.warmup + args.repeats):
+        for name, (model, optimizer) in models.items():
+            sync(args.device)
+            start = time.perf_counter()
+            step(model, optimizer, batch, args)
+            sync(args.device)
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+
+    peak = gpu_peak_bytes if args.device.startswith("cuda") else cpu_peak_bytes
+    memory = {name: peak(model, optimizer, batch, args) for name, (model, optimizer) in models.items()}
+    params = {name: sum(p.numel() for p in m.parameters()) for name, (m, _) in models.items()}
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    print(f"device: {device}, threads: {torch.get_num_threads()}, d={args.d_model}, "
+          f"layers={args.n_layers}, seq={args.seq_len}, batch={args.batch}, "
+          f"precision={args.precision}, kernel={args.kernel}, repeats={args.repeats}")
+    print("| residual | params | median step (ms) | peak memory (MiB) |")
+    print("|---|---|---|---|")
+    for name in models:
+        print(f"| {name} | {params[name]:,} | {1000 * statistics.median(times[name]):.1f} | "
+              f"{memory[name] / 2**20:.1f} |")
+    t_ratio = statistics.median(times["nag"]) / statistics.median(times["prenorm"])
+    print(f"\nnag / prenorm: time {t_ratio:.3f}, memory {memory['nag'] / memory['prenorm']:.3f}, "
+          f"parameters {params['nag'] / params['prenorm']:.5f}")
+
+
+if __name__ == "__main__":
+    main()
