@@ -38,7 +38,9 @@ from litdata import StreamingDataLoader, StreamingDataset, TokensLoader, optimiz
 # Bump when the on-disk layout or the split rule changes, so old caches are not reused.
 _CACHE_VERSION = 1
 _META = "meta.json"
-_CHUNK_BYTES = "16MB"  # one chunk per 16 MB of tokens: rank/worker sharding works on whole chunks
+# Chunk files of ~16 MB. The shuffle permutes chunk order, then the blocks inside each chunk; a
+# block never straddles two chunks, so each chunk's last (< seq_len + 1) bytes are never read.
+_CHUNK_BYTES = "16MB"
 _READ_BYTES = 1 << 22  # `optimize` receives a file in pieces of at most 4 MiB
 # The default corpus, the interpreter's own standard library, is about 32 MB of .py (Python 3.11,
 # tests included), tokenized in about a second on 2 CPU cores. The cap bounds other builds.
