@@ -7,6 +7,7 @@ stays meaningful at every depth. Logged at every validation, drawn as a PNG at t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning as L
@@ -67,8 +68,10 @@ class DepthDiagnostics(L.Callback):
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.history and trainer.is_global_zero:
-            directory = Path(trainer.log_dir or trainer.default_root_dir)
-            plot_depth(self.history, directory / self.filename, str(pl_module.hparams.residual))
+            path = Path(trainer.log_dir or trainer.default_root_dir) / self.filename
+            plot_depth(self.history, path, str(pl_module.hparams.residual))
+            # The numbers behind the picture, for side-by-side figures across runs.
+            path.with_suffix(".json").write_text(json.dumps(self.history))
 
     def state_dict(self) -> dict:
         return {"history": self.history}
@@ -85,7 +88,8 @@ def plot_depth(history: list[dict], path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax_norm, ax_angle) = plt.subplots(1, 2, figsize=(11, 4))
-    depth = range(len(history[-1]["labels"]))
+    labels = history[-1]["labels"]
+    depth = range(len(labels))
     colors = plt.cm.viridis([i / max(len(history) - 1, 1) for i in range(len(history))])
     for entry, color in zip(history, colors):
         ax_norm.plot(depth, entry["norm"], color=color, label=f"step {entry['step']}")
@@ -93,10 +97,15 @@ def plot_depth(history: list[dict], path: Path, title: str) -> Path:
     last = history[-1]
     ax_angle.fill_between(depth, last["q0.1"], last["q0.9"], color=colors[-1], alpha=0.2,
                           label="10-90% of tokens (last)")
-    ax_norm.set(xlabel="sublayer (depth)", ylabel="state norm", yscale="log",
+    norms = [v for entry in history for v in entry["norm"]]
+    ax_norm.set(xlabel="sublayer (block_kind)", ylabel="state norm",
+                yscale="log" if max(norms) > 10 * min(norms) > 0 else "linear",
                 title=f"{title}: state norm after each sublayer")
-    ax_angle.set(xlabel="sublayer (depth)", ylabel="contribution angle (rad)",
+    ax_angle.set(xlabel="sublayer (block_kind)", ylabel="contribution angle (rad)",
                  title=f"{title}: angle each sublayer turns the state")
+    step = max(1, len(labels) // 12)  # at most a dozen tick labels
+    for ax in (ax_norm, ax_angle):
+        ax.set_xticks(list(depth)[::step], labels[::step], rotation=45, fontsize=7)
     ax_norm.legend(fontsize=7)
     ax_angle.legend(fontsize=7)
     fig.tight_layout()
