@@ -1,0 +1,104 @@
+"""nag_kernels: fused kernels for the NAG residual stream (DESIGN.md section 2).
+
+Importing this package needs only torch. The Triton module is imported here under a guard, so
+CPU machines without triton still import the package and use the pure-PyTorch reference.
+(Importing it here rather than on first use matters: importing the submodule `nag_write` binds
+that name on the package, which would shadow the function `nag_write` defined below.)
+
+    from nag_kernels import nag_write
+    u, rho, theta, h = nag_write(u, f, rho, g, alpha, beta, math.pi / 2, gamma_next)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import EPS, nag_write_reference
+
+__all__ = ["BACKENDS", "EPS", "nag_write", "nag_write_reference"]
+
+BACKENDS = ("auto", "triton", "torch")
+"""auto: the Triton kernel for CUDA tensors of a dtype it takes, else the reference;
+triton: always the kernel (CPU tensors only under TRITON_INTERPRET=1); torch: the reference."""
+
+
+try:
+    from . import nag_write as _triton_ops  # imports triton
+except ImportError:  # no triton on this machine: the reference still works
+    _triton_ops = None
+
+
+def _as_scalar(x: torch.Tensor | float, like: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        return torch.tensor(float(x), dtype=torch.float32, device=like.device)
+    if x.numel() != 1:
+        raise ValueError(f"{name} must be a scalar (0-dim tensor), got shape {tuple(x.shape)}.")
+    return x.reshape(())
+
+
+def _check_shapes(u, f, rho, g, gamma_next) -> None:
+    if u.dim() < 1 or u.shape != f.shape:
+        raise ValueError(
+            f"u and f must have the same shape (..., d), got {tuple(u.shape)} and {tuple(f.shape)}."
+        )
+    if rho.shape != u.shape[:-1]:
+        raise ValueError(
+            f"rho must have shape {tuple(u.shape[:-1])} (u without its last dim), got {tuple(rho.shape)}."
+        )
+    if g is not None and torch.broadcast_shapes(g.shape, rho.shape) != rho.shape:
+        raise ValueError(f"g must broadcast to rho's shape {tuple(rho.shape)}, got {tuple(g.shape)}.")
+    if gamma_next is not None and gamma_next.shape != u.shape[-1:]:
+        raise ValueError(f"gamma_next must have shape ({u.shape[-1]},), got {tuple(gamma_next.shape)}.")
+
+
+def nag_write(
+    u: torch.Tensor,
+    f: torch.Tensor,
+    rho: torch.Tensor,
+    g: torch.Tensor | None,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    theta_max: float,
+    gamma_next: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One NAG write: rotate the direction lane u toward f's tangential part, update rho.
+
+    Args:
+        u: direction lane, shape (..., d), unit norm per row.
+        f: sublayer output, shape (..., d).
+        rho: log-norm lane, shape (...,).
+        g: per-token gate, broadcastable to (...,); None means 1 (no router).
+        alpha: 0-dim tensor (or float), rotation gain of this sublayer.
+        beta: 0-dim tensor (or float), log-norm gain of this sublayer.
+        theta_max: bound on |theta|, a positive float.
+        gamma_next: per-channel gain (d,) of the next sublayer's read; None skips h_next.
+        backend: one of BACKENDS ("auto", "triton", "torch").
+
+    Returns:
+        (u_new, rho_new, theta, h_next): u_new, h_next (None without gamma_next) in u.dtype;
+        rho_new and the signed angle theta, shape (...,), in rho.dtype.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown nag_write backend {backend!r}; valid choices: {', '.join(BACKENDS)}.")
+    if not theta_max > 0:
+        raise ValueError(f"theta_max must be positive, got {theta_max}.")
+    _check_shapes(u, f, rho, g, gamma_next)
+    alpha = _as_scalar(alpha, u, "alpha")
+    beta = _as_scalar(beta, u, "beta")
+    if g is not None and g.shape != rho.shape:
+        g = g.expand(rho.shape)  # autograd sums the gradient back to g's own shape
+
+    if backend == "auto":
+        use_triton = (
+            u.is_cuda
+            and u.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and f.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and _triton_ops is not None
+        )
+        backend = "triton" if use_triton else "torch"
+    if backend == "torch":
+        return nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next)
+    if _triton_ops is None:
+        raise ImportError("backend='triton' needs the triton package, which is not installed.")
+    return _triton_ops.NagWriteFunction.apply(u, f, rho, g, alpha, beta, float(theta_max), gamma_next)

@@ -1,0 +1,94 @@
+"""Pure-PyTorch reference of the NAG write (DESIGN.md section 2).
+
+This is the ground truth the Triton kernel is tested against, and the path used on CPU. It is
+written for clarity, not speed: every intermediate is a separate tensor, and autograd derives the
+backward.
+
+Per row (token), with `u` the unit direction lane, `f` the sublayer output and `rho` the log-norm
+lane::
+
+    a       = <f, u>                      radial part of the update
+    f_perp  = f - a u                     tangential part, n = ||f_perp||
+    theta   = theta_max * tanh(g * alpha * n / sqrt(d) / theta_max)   bounded rotation angle
+    s       = sin(theta) / n              (limit g * alpha / sqrt(d) when n <= EPS)
+    raw     = cos(theta) u + s f_perp
+    u'      = raw * ||u|| / ||raw||       renormalised: ||u'|| = ||u|| to rounding, for any f
+    rho'    = rho + g * beta * a / sqrt(d)
+    h_next  = sqrt(d) * u' * gamma_next   the next sublayer's read (optional)
+
+The final renormalisation costs one extra reduction and buys two things: `||u'||` stays at 1 to
+rounding even when `f` is huge or nearly parallel to `u` (where `cos^2 + s^2 n^2 = 1` holds only
+approximately), and `g = 0` is an exact identity bitwise, since then `raw == u` and `x / x == 1`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+EPS = 1e-6
+"""Below this tangential norm `n`, `sin(theta) / n` is replaced by its limit `g * alpha / sqrt(d)`."""
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 for fp32/bf16/fp16 inputs; fp64 stays fp64 so gradcheck can run on the reference.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def nag_write_reference(
+    u: torch.Tensor,
+    f: torch.Tensor,
+    rho: torch.Tensor,
+    g: torch.Tensor | None,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    theta_max: float,
+    gamma_next: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One NAG write, in plain PyTorch.
+
+    Args:
+        u: direction lane, shape (..., d), unit norm per row.
+        f: sublayer output, shape (..., d).
+        rho: log-norm lane, shape (...,).
+        g: per-token gate in [0, 1], shape (...,); None means 1 (no router).
+        alpha: 0-dim tensor, the sublayer's rotation gain (may be negative).
+        beta: 0-dim tensor, the sublayer's log-norm gain.
+        theta_max: bound on |theta|, a positive float (pi / 2 in DESIGN.md).
+        gamma_next: per-channel gain of the next read, shape (d,); None skips h_next.
+
+    Returns:
+        (u_new, rho_new, theta, h_next): u_new and h_next in u.dtype, rho_new and theta
+        (signed, shape (...,)) in rho.dtype; h_next is None when gamma_next is None.
+        Everything is computed in fp32 (fp64 for fp64 inputs).
+    """
+    d = u.shape[-1]
+    ct = _compute_dtype(u.dtype)
+    inv_sqrt_d = 1.0 / math.sqrt(d)
+
+    u32, f32 = u.to(ct), f.to(ct)  # (..., d)
+    gate = 1.0 if g is None else g.to(ct)  # (...,) or scalar
+    k = gate * alpha.to(ct) * inv_sqrt_d  # (...,): dtheta/dn at n = 0
+
+    a = (f32 * u32).sum(-1)  # (...,)
+    f_perp = f32 - a[..., None] * u32  # (..., d)
+    n = torch.linalg.vector_norm(f_perp, dim=-1)  # (...,)
+    theta = theta_max * torch.tanh(k * n / theta_max)
+
+    # Divide by n only where it is safe; the where() on n itself keeps NaN out of the gradients.
+    small = n <= EPS
+    n_safe = torch.where(small, torch.ones_like(n), n)
+    s = torch.where(small, k * torch.ones_like(n), torch.sin(theta) / n_safe)
+
+    raw = torch.cos(theta)[..., None] * u32 + s[..., None] * f_perp  # (..., d)
+    norm_u = torch.linalg.vector_norm(u32, dim=-1)
+    norm_raw = torch.linalg.vector_norm(raw, dim=-1)
+    norm_raw_safe = torch.where(norm_raw > 0, norm_raw, torch.ones_like(norm_raw))
+    u_new = raw * (norm_u / norm_raw_safe)[..., None]
+
+    rho_new = rho.to(ct) + gate * beta.to(ct) * a * inv_sqrt_d
+    h_next = None
+    if gamma_next is not None:
+        h_next = (math.sqrt(d) * u_new * gamma_next.to(ct)).to(u.dtype)
+    return u_new.to(u.dtype), rho_new.to(rho.dtype), theta.to(rho.dtype), h_next
