@@ -1,0 +1,1 @@
+"""Analysis around training: studies, post-training sweeps, generation, run comparison."""
