@@ -203,6 +203,16 @@ def test_kernel_small_tangent(n):
     torch.testing.assert_close(outs[2].double(), want, rtol=1e-5, atol=0)
 
 
+@needs_kernel
+def test_kernel_mixed_dtypes():
+    """Autocast-style call: fp32 state u, rho and gate, bf16 sublayer output f. Outputs follow u
+    and rho; df comes back in bf16."""
+    inputs = make_inputs((3, 5), 48, torch.float32)
+    inputs["f"] = inputs["f"].to(torch.bfloat16)
+    _, grads = compare_to_reference(inputs, torch.bfloat16)
+    assert grads["f"].dtype == torch.bfloat16 and grads["u"].dtype == torch.float32
+
+
 def kernel_and_reference(inputs):
     """Outputs of both backends (no autograd), for the invariant tests."""
     with torch.no_grad():
