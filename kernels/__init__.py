@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import EPS, nag_write_reference
+from .reference import EPS, RecomputedReference, nag_write_reference
 
 __all__ = ["BACKENDS", "EPS", "nag_write", "nag_write_reference"]
 
@@ -98,6 +98,9 @@ def nag_write(
         )
         backend = "triton" if use_triton else "torch"
     if backend == "torch":
+        inputs = (u, f, rho, g, alpha, beta, gamma_next)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+            return RecomputedReference.apply(u, f, rho, g, alpha, beta, float(theta_max), gamma_next)
         return nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next)
     if _triton_ops is None:
         raise ImportError("backend='triton' needs the triton package, which is not installed.")

@@ -92,3 +92,38 @@ def nag_write_reference(
     if gamma_next is not None:
         h_next = (math.sqrt(d) * u_new * gamma_next.to(ct)).to(u.dtype)
     return u_new.to(u.dtype), rho_new.to(rho.dtype), theta.to(rho.dtype), h_next
+
+
+class RecomputedReference(torch.autograd.Function):
+    """The reference with its backward recomputed from the inputs, as the fused kernel does.
+
+    Autograd through `nag_write_reference` keeps about a dozen (..., d) intermediates per write
+    alive until backward; this keeps only the inputs and runs the reference again, under autograd,
+    when the gradient is needed. Same values and gradients, a fraction of the activation memory,
+    one extra forward of an elementwise op. It is the path `nag_write(backend="torch")` takes when
+    gradients are needed.
+    """
+
+    @staticmethod
+    def forward(ctx, u, f, rho, g, alpha, beta, theta_max, gamma_next):
+        ctx.theta_max = theta_max
+        ctx.save_for_backward(u, f, rho, g, alpha, beta, gamma_next)
+        return nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        inputs = [
+            None if t is None else t.detach().requires_grad_(needs)
+            for t, needs in zip(saved, (*ctx.needs_input_grad[:6], ctx.needs_input_grad[7]))
+        ]
+        u, f, rho, g, alpha, beta, gamma_next = inputs
+        with torch.enable_grad():
+            outputs = nag_write_reference(u, f, rho, g, alpha, beta, ctx.theta_max, gamma_next)
+        pairs = [(o, go) for o, go in zip(outputs, grads) if o is not None and go is not None]
+        wanted = [t for t in inputs if t is not None and t.requires_grad]
+        computed = iter(torch.autograd.grad(
+            [o for o, _ in pairs], wanted, [go for _, go in pairs], allow_unused=True
+        ))
+        result = [next(computed) if t is not None and t.requires_grad else None for t in inputs]
+        return (*result[:6], None, result[6])

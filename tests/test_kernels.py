@@ -466,3 +466,43 @@ def test_wheel_installs_kernels_as_nag_kernels(tmp_path):
     assert "nag_kernels/__init__.py" in names and "nag_kernels/nag_write.py" in names
     assert "nag_kernels/reference.py" in names
     assert not any(n.startswith("kernels/") for n in names)
+
+
+@pytest.mark.parametrize("f_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_gamma", [False, True])
+def test_torch_backend_recomputes_the_reference_exactly(f_dtype, with_gamma):
+    """backend="torch" keeps only the inputs for backward; values and gradients are unchanged."""
+    torch.manual_seed(0)
+    u = torch.nn.functional.normalize(torch.randn(7, 33), dim=-1)
+    f = (3 * torch.randn(7, 33)).to(f_dtype)
+    f[0] = 0  # the small-n branch
+    leaves = {
+        "u": u, "f": f, "rho": torch.randn(7), "g": torch.rand(7), "alpha": torch.tensor(0.7),
+        "beta": torch.tensor(0.3), "gamma": torch.rand(33) + 0.5 if with_gamma else None,
+    }
+
+    def run(fn):
+        inputs = {k: None if v is None else v.clone().requires_grad_() for k, v in leaves.items()}
+        outs = fn(inputs["u"], inputs["f"], inputs["rho"], inputs["g"], inputs["alpha"],
+                  inputs["beta"], math.pi / 2, inputs["gamma"])
+        loss = sum((o.float() * torch.linspace(-1, 1, o.numel()).view_as(o)).sum()
+                   for o in outs if o is not None)
+        loss.backward()
+        return outs, {k: v.grad for k, v in inputs.items() if v is not None}
+
+    expected, expected_grads = run(nag_write_reference)
+    got, got_grads = run(lambda *a: nag_write(*a, backend="torch"))
+    for e, g in zip(expected, got, strict=True):
+        assert (e is None and g is None) or torch.equal(e, g)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_torch_backend_saves_only_its_inputs():
+    u = torch.nn.functional.normalize(torch.randn(64, 128), dim=-1).requires_grad_()
+    f = torch.randn(64, 128, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        nag_write(u, f, torch.zeros(64), None, torch.tensor(0.5), torch.tensor(0.0), 1.5, backend="torch")
+    big = [t for t in saved if t.numel() >= 64 * 128]
+    assert len(big) == 2  # u and f, not the reference's intermediates
