@@ -1,0 +1,409 @@
+"""Analytic FLOPs of the Transformer from its config and the tokens each sublayer really executed.
+
+DESIGN section 5. A FLOP is one multiply or one add, so a multiply-add counts 2 (the convention of
+`torch.utils.flop_counter.FlopCounterMode`, which this count is tested against within 2%). Like
+that counter, the count covers matrix products only:
+
+    per token, per executed sublayer       C = d_model, H = int(mlp_ratio * C), V = vocab_size
+      attention projections   qkv 2·C·3C + out 2·C·C             = 8·C²
+      MLP (SwiGLU)            gate_up 2·C·2H + proj 2·H·C        = 6·C·H
+    per sequence, per attention sublayer
+      scores and values       2 · K² · C each                    = 4·C·K²   (K: see below)
+    per scored token, per routed sublayer
+      router                  router.flops_per_token()
+    per token
+      LM head                 2·C·V
+      embedding               0 (a table lookup)
+      residual read / write   0 (elementwise: RMSNorm, the NAG rotation, rotary, gating)
+
+Elementwise work is left out on purpose, for every residual strategy alike: it is a few dozen
+FLOPs per token and channel-width (NAG's write is about 15·C, a prenorm add and RMSNorm about 5·C)
+against the 8·C² + 6·C·H of the matrix products, and FlopCounterMode does not count it either, so
+leaving it out keeps one definition from the analytic count to the measurement.
+
+Attention counts what the kernel computes, not only the causal half. Dense attention runs
+`scaled_dot_product_attention(is_causal=True)` over all T tokens, and every counter (and the
+fused kernels' FLOP formulas) counts the whole T x T block: K = T. Routed attention gathers each
+sequence's executed tokens into a padded (B, K, K) block, K = the largest executed count of the
+batch, and computes all of it: K = max over the batch. The causal, unpadded work — n·(n+1)/2
+query-key pairs for a sequence of n executed tokens — is reported beside it as
+`attention_useful`, for who wants the algorithmic count.
+
+Training FLOPs are 3 x forward (the backward pass does two matrix products per forward one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from nag_lightning.model import Transformer, TransformerConfig
+from nag_lightning.routers import build_router
+
+TRAINING_MULTIPLIER = 3  # forward + backward (two matrix products per forward one)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-sublayer constants and the one formula both the breakdown and the training callback use
+# ---------------------------------------------------------------------------------------------------
+
+
+def mlp_hidden(cfg: TransformerConfig) -> int:
+    """The SwiGLU hidden width, as `model.SwiGLU` computes it."""
+    return int(cfg.mlp_ratio * cfg.d_model)
+
+
+def sublayer_params(cfg: TransformerConfig, kind: str) -> int:
+    """Weights of one attention (qkv + out) or MLP (gate_up + proj) sublayer; routers not included."""
+    C = cfg.d_model
+    return 4 * C * C if kind == "attn" else 3 * C * mlp_hidden(cfg)
+
+
+def _per_token(cfg: TransformerConfig, kind: str) -> int:
+    """Forward FLOPs per executed token of a sublayer, attention scores and values excluded."""
+    return 2 * sublayer_params(cfg, kind)  # each weight is one multiply-add per token
+
+
+def head_flops_per_token(cfg: TransformerConfig) -> int:
+    return 2 * cfg.d_model * cfg.vocab_size
+
+
+def _kinds(cfg: TransformerConfig) -> list[str]:
+    return ["attn", "mlp"] * cfg.n_layers  # sublayer i is block i // 2, attention first
+
+
+def router_flops_per_token(cfg: TransformerConfig) -> list[int]:
+    """What each sublayer's router spends per scored token, asked of a router built from `cfg`."""
+    routed = cfg.routed_layers()
+    is_routed = [i // 2 in routed and kind in cfg.route_kinds for i, kind in enumerate(_kinds(cfg))]
+    if not any(is_routed):
+        return [0] * len(is_routed)
+    per_token = build_router(cfg.router, cfg.d_model, **cfg.router_options).flops_per_token()
+    return [per_token if r else 0 for r in is_routed]
+
+
+class _Constants(NamedTuple):
+    """Per-sublayer constants as (L,) float64 tensors on one device."""
+
+    per_token: Tensor  # projections + MLP FLOPs per executed token
+    attn_coeff: Tensor  # 4·C for attention sublayers, 0 for MLPs: times K² per sequence
+    router: Tensor  # router FLOPs per scored token
+    params: Tensor  # sublayer weights
+    head: float  # LM head FLOPs per token
+
+
+def _constants(cfg: TransformerConfig, router_flops: Sequence[int], device: Any = None) -> _Constants:
+    kinds = _kinds(cfg)
+    if len(router_flops) != len(kinds):
+        raise ValueError(
+            f"router_flops needs one value per sublayer ({len(kinds)}); got {len(router_flops)}."
+        )
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.float64, device=device)
+    return _Constants(
+        per_token=as_t([_per_token(cfg, k) for k in kinds]),
+        attn_coeff=as_t([4 * cfg.d_model if k == "attn" else 0 for k in kinds]),
+        router=as_t(list(router_flops)),
+        params=as_t([sublayer_params(cfg, k) for k in kinds]),
+        head=float(head_flops_per_token(cfg)),
+    )
+
+
+def _terms(c: _Constants, counts: Tensor, seq_len: int) -> dict[str, Tensor]:
+    """The formula. counts (L, B): tokens each sublayer executed in each sequence of T = seq_len.
+    Returns (L,) tensors per sublayer and 0-dim totals, all float64 on counts' device."""
+    counts = counts.to(torch.float64)
+    B = counts.shape[1]
+    executed = counts.sum(1)  # (L,)
+    K = counts.amax(1)  # (L,) the padded width attention ran at (T when dense)
+    scored = float(B * seq_len)
+    projections = c.per_token * executed
+    attention = c.attn_coeff * B * K * K
+    useful = c.attn_coeff / 2 * (counts * (counts + 1)).sum(1)  # n(n+1)/2 causal pairs x 4C
+    router = c.router * scored
+    full_depth = c.per_token * scored + c.attn_coeff * B * seq_len * seq_len
+    layers = projections + attention + router
+    head = c.head * scored
+    return {
+        "executed": executed, "projections": projections, "attention": attention,
+        "attention_useful": useful, "router": router, "layers": layers, "full_depth": full_depth,
+        "executed_params": c.params * executed,
+        "forward": layers.sum() + head, "head": counts.new_tensor(head),
+        "tokens": counts.new_tensor(scored), "samples": counts.new_tensor(float(B)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# The breakdown, for people and tests
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SublayerFlops:
+    """Forward FLOPs of one sublayer over one batch.
+
+    Attributes:
+        index: sublayer index (block = index // 2).
+        kind: "attn" or "mlp".
+        executed: tokens that ran the sublayer.
+        projections: qkv + out projections (attention) or the SwiGLU matrices (MLP).
+        attention: scores and values as computed: the padded K x K block per sequence (0 for MLP).
+        attention_useful: scores and values of the causal pairs among executed tokens only.
+        router: the router's scoring of every token.
+        params: the sublayer's weights (router excluded).
+    """
+
+    index: int
+    kind: str
+    executed: int
+    projections: int
+    attention: int
+    attention_useful: int
+    router: int
+    params: int
+
+    @property
+    def total(self) -> int:
+        return self.projections + self.attention + self.router
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """Forward FLOPs of one batch, in total and per sublayer.
+
+    Attributes:
+        tokens: tokens in the batch (B x T).
+        forward: all forward FLOPs: sublayers, routers and LM head (embedding 0).
+        layers: the sublayers' and routers' share of `forward`.
+        full_depth_layers: what the sublayers would cost on this batch at full depth, no router.
+        head: the LM head's share of `forward`.
+        executed_params: sum over sublayers of weights x tokens that ran them.
+        layer_params: weights of all sublayers (what one token meets at full depth).
+        sublayers: the per-sublayer breakdown.
+    """
+
+    tokens: int
+    forward: int
+    layers: int
+    full_depth_layers: int
+    head: int
+    executed_params: int
+    layer_params: int
+    sublayers: tuple[SublayerFlops, ...]
+    embedding: int = 0
+
+    @property
+    def training(self) -> int:
+        """Forward + backward: 3 x forward."""
+        return TRAINING_MULTIPLIER * self.forward
+
+    @property
+    def executed_fraction(self) -> float:
+        """Layer FLOPs executed over layer FLOPs at full depth (routers count as executed)."""
+        return self.layers / self.full_depth_layers
+
+    @property
+    def executed_params_per_token(self) -> float:
+        """Layer weights one token meets on average."""
+        return self.executed_params / self.tokens
+
+    @property
+    def mod_rate(self) -> float:
+        """Fraction of (token, sublayer) executions skipped."""
+        return 1 - sum(s.executed for s in self.sublayers) / (self.tokens * len(self.sublayers))
+
+    @property
+    def attention_useful(self) -> int:
+        return sum(s.attention_useful for s in self.sublayers)
+
+    @property
+    def attention(self) -> int:
+        return sum(s.attention for s in self.sublayers)
+
+
+def count_flops(
+    cfg: TransformerConfig,
+    executed: Tensor | Sequence[Sequence[int]],
+    seq_len: int,
+    router_flops: Sequence[int] | None = None,
+) -> FlopCount:
+    """Forward FLOPs of one batch of sequences of `seq_len` tokens.
+
+    Args:
+        cfg: the model's architecture.
+        executed: (n_sublayers, B) tokens each sublayer executed in each sequence, as a tensor or
+            nested lists; a sublayer that ran every token has seq_len in every entry.
+        seq_len: T, the tokens per sequence.
+        router_flops: each sublayer's router FLOPs per scored token; None asks routers built
+            from cfg (`router_flops_per_token`).
+    """
+    counts = torch.as_tensor(executed).detach().cpu()
+    if counts.ndim != 2 or counts.shape[0] != cfg.n_sublayers:
+        raise ValueError(
+            f"executed must have shape (n_sublayers={cfg.n_sublayers}, batch); got {tuple(counts.shape)}."
+        )
+    if (counts < 0).any() or (counts > seq_len).any():
+        raise ValueError(f"executed counts must lie in [0, seq_len={seq_len}].")
+    c = _constants(cfg, router_flops_per_token(cfg) if router_flops is None else router_flops)
+    t = _terms(c, counts, seq_len)
+    as_int = lambda x: int(round(float(x)))
+    subs = tuple(
+        SublayerFlops(
+            index=i, kind=kind, executed=as_int(t["executed"][i]),
+            projections=as_int(t["projections"][i]), attention=as_int(t["attention"][i]),
+            attention_useful=as_int(t["attention_useful"][i]), router=as_int(t["router"][i]),
+            params=as_int(c.params[i]),
+        )
+        for i, kind in enumerate(_kinds(cfg))
+    )
+    return FlopCount(
+        tokens=as_int(t["tokens"]), forward=as_int(t["forward"]), layers=as_int(t["layers"].sum()),
+        full_depth_layers=as_int(t["full_depth"].sum()), head=as_int(t["head"]),
+        executed_params=as_int(t["executed_params"].sum()), layer_params=as_int(c.params.sum()),
+        sublayers=subs,
+    )
+
+
+def executed_counts(model: Transformer) -> Tensor:
+    """(n_sublayers, B) executed tokens per sublayer per sequence of the model's last forward."""
+    sublayers = model.sublayers
+    if any(s.executed_per_seq is None for s in sublayers):
+        raise RuntimeError("The model has not run a forward pass yet; there is nothing to count.")
+    return torch.stack([s.executed_per_seq for s in sublayers])
+
+
+def count_model(model: Transformer, seq_len: int) -> FlopCount:
+    """The breakdown of the model's last forward pass over sequences of `seq_len` tokens."""
+    router_flops = [s.router.flops_per_token() for s in model.sublayers]
+    return count_flops(model.cfg, executed_counts(model), seq_len, router_flops)
+
+
+def full_depth_forward_flops(cfg: TransformerConfig, seq_len: int | None = None) -> int:
+    """Forward FLOPs of one sequence of `seq_len` (default cfg.seq_len) tokens through the
+    full-depth, unrouted baseline of `cfg` (same widths, router "none")."""
+    T = cfg.seq_len if seq_len is None else seq_len
+    counts = torch.full((cfg.n_sublayers, 1), T)
+    return count_flops(cfg, counts, T, [0] * cfg.n_sublayers).forward
+
+
+def reference_training_flops(cfg: TransformerConfig, tokens: int, seq_len: int | None = None) -> int:
+    """Training FLOPs the full-depth baseline of `cfg` spends on `tokens` tokens, in sequences of
+    `seq_len` (default cfg.seq_len): the budget of an iso-FLOP comparison."""
+    T = cfg.seq_len if seq_len is None else seq_len
+    return round(TRAINING_MULTIPLIER * full_depth_forward_flops(cfg, T) * tokens / T)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-step counts for training: the protocol the accounting callback asks for
+# ---------------------------------------------------------------------------------------------------
+
+
+class StepFlops(NamedTuple):
+    """What one training forward pass on one rank did. Fields are numbers or 0-dim tensors (left
+    on the device, so counting needs no synchronisation of its own).
+
+    Attributes:
+        forward: forward FLOPs of the pass.
+        layer: the executed share of it in the model's layers (sublayers, routers).
+        full_depth_layer: what those layers would cost on the same batch with every token executing.
+        executed_params: sum over layers of their weights x the tokens that ran them.
+        tokens: tokens in the batch.
+        samples: sequences in the batch.
+    """
+
+    forward: Tensor | float
+    layer: Tensor | float
+    full_depth_layer: Tensor | float
+    executed_params: Tensor | float
+    tokens: Tensor | float
+    samples: Tensor | float
+
+
+@runtime_checkable
+class FlopCounter(Protocol):
+    """Counts a model's training forward passes. A LightningModule that is not built on
+    `Transformer` plugs into `FlopAccounting` by defining `flop_counter(self) -> FlopCounter`.
+
+    `step()` is called after each training batch and describes the last forward pass;
+    `full_depth_forward_flops_per_token()` (optional) is what a FLOP budget given as a number of
+    tokens of the full-depth baseline multiplies by."""
+
+    def step(self) -> StepFlops: ...
+
+
+class TransformerFlopCounter:
+    """`FlopCounter` of a `Transformer`: reads each sublayer's `executed_per_seq` after the forward.
+
+    A forward pre-hook records the input's sequence length, so it works whatever the batch layout.
+
+    Args:
+        model: the model to count.
+    """
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.seq_len: int | None = None
+        self._constants: _Constants | None = None
+        self._hook = model.register_forward_pre_hook(self._record)
+
+    def _record(self, module: nn.Module, args: tuple) -> None:
+        if module.training:
+            self.seq_len = int(args[0].shape[-1])
+
+    def step(self) -> StepFlops:
+        if self.seq_len is None:
+            raise RuntimeError("The model has not run a training forward pass yet.")
+        counts = executed_counts(self.model)
+        if self._constants is None or self._constants.per_token.device != counts.device:
+            router_flops = [s.router.flops_per_token() for s in self.model.sublayers]
+            self._constants = _constants(self.model.cfg, router_flops, counts.device)
+        t = _terms(self._constants, counts, self.seq_len)
+        return StepFlops(
+            forward=t["forward"], layer=t["layers"].sum(), full_depth_layer=t["full_depth"].sum(),
+            executed_params=t["executed_params"].sum(), tokens=t["tokens"], samples=t["samples"],
+        )
+
+    def full_depth_forward_flops_per_token(self) -> float:
+        cfg = self.model.cfg
+        return full_depth_forward_flops(cfg) / cfg.seq_len
+
+    def remove(self) -> None:
+        """Detach the forward hook."""
+        self._hook.remove()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measuring: FlopCounterMode with the CPU attention kernel counted
+# ---------------------------------------------------------------------------------------------------
+
+
+def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """Scores q·kᵀ and values p·v over the whole (s_q x s_k) block, as torch counts fused SDPA."""
+    b, h, s_q, d_q = query_shape
+    s_k, d_v = key_shape[-2], value_shape[-1]
+    return 2 * b * h * s_q * s_k * d_q + 2 * b * h * s_q * s_k * d_v
+
+
+def flop_counter_mode(**kwargs: Any):
+    """`FlopCounterMode`, plus the formula of the fused CPU attention kernel.
+
+    torch's registry has FLOP formulas for the CUDA flash / memory-efficient / cuDNN attention
+    kernels but not for `_scaled_dot_product_flash_attention_for_cpu`, so on CPU attention would
+    count 0. This adds the same formula torch uses for the CUDA kernels (the whole block).
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops}
+    mapping.update(kwargs.pop("custom_mapping", {}) or {})
+    return FlopCounterMode(display=kwargs.pop("display", False), custom_mapping=mapping, **kwargs)
+
+
+__all__ = [
+    "FlopCount", "FlopCounter", "StepFlops", "SublayerFlops", "TRAINING_MULTIPLIER",
+    "TransformerFlopCounter", "count_flops", "count_model", "executed_counts", "flop_counter_mode",
+    "full_depth_forward_flops", "head_flops_per_token", "mlp_hidden", "reference_training_flops",
+    "router_flops_per_token", "sublayer_params",
+]
