@@ -109,6 +109,7 @@ def prepare_command(args: list[str]) -> None:
 # when used so `fit` does not pay for plotting or analysis imports.
 COMMANDS: dict[str, str] = {
     "prepare": "nag_lightning.cli:prepare_command",
+    "compare": "nag_lightning.analysis.compare:compare_command",
 }
 
 

@@ -1,0 +1,214 @@
+"""`nag-lightning compare`: finished runs side by side at the training compute they spent.
+
+For each run directory (a CSVLogger version folder with `metrics.csv`, or any folder above such
+folders) it reads what `FlopAccounting` logged (`flops/total`, `flops/tokens`, ...) and the
+validation bits per byte, and writes, into `--out`:
+
+    compare.csv   compare.md   one row per run: tokens seen, training FLOPs, final val bits per byte
+    compare.png   val bits per byte against training FLOPs, one line per run
+
+A run whose metrics lack the FLOP columns falls back to the totals kept in its last checkpoint.
+The training FLOPs of a validation point are interpolated between the logged totals around it
+(the step cost of a run is close to constant, so this is exact to a fraction of one step).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+COLUMNS = ("run", "residual", "router", "steps", "tokens", "training_flops", "executed_fraction",
+           "executed_params_per_token", "final_val_bpb")
+
+
+@dataclass
+class RunSummary:
+    """One finished run, as the comparison table shows it."""
+
+    run: str
+    residual: str
+    router: str
+    steps: int
+    tokens: int
+    training_flops: float
+    executed_fraction: float
+    executed_params_per_token: float
+    final_val_bpb: float
+    curve: list[tuple[float, float]] = field(default_factory=list)  # (training FLOPs, val bpb)
+
+    def row(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in COLUMNS}
+
+
+def find_runs(paths: list[str | Path]) -> list[Path]:
+    """Every folder holding a metrics.csv at or below `paths`, in order, without repeats."""
+    found: list[Path] = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise FileNotFoundError(f"The run directory {path} does not exist; give a folder a run wrote.")
+        hits = [path] if (path / "metrics.csv").is_file() else sorted(
+            p.parent for p in path.rglob("metrics.csv"))
+        if not hits:
+            raise FileNotFoundError(
+                f"No metrics.csv under {path}; give the folder of a run logged with CSVLogger "
+                "(e.g. runs/isoflop/nag/version_0) or a folder above such runs."
+            )
+        found += [h for h in hits if h not in found]
+    return found
+
+
+def _columns(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each metric's (step, value) pairs, in file order, empty cells skipped."""
+    columns: dict[str, list[tuple[int, float]]] = {}
+    with open(metrics_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(float(row.get("step") or 0))
+            for key, value in row.items():
+                if key != "step" and value not in ("", None):
+                    columns.setdefault(key, []).append((step, float(value)))
+    return columns
+
+
+def _checkpoint_totals(run_dir: Path) -> dict[str, float]:
+    """FlopAccounting's totals from the run's last checkpoint, if there is one."""
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    if not ckpt.is_file():
+        return {}
+    import torch
+
+    state = torch.load(ckpt, map_location="cpu", weights_only=True).get("callbacks", {})
+    accounting = state.get("FlopAccounting")
+    if not accounting:
+        return {}
+    return {"flops/total": 3.0 * accounting["forward_flops"], "flops/tokens": float(accounting["tokens"]),
+            "steps": float(accounting.get("steps", 0))}
+
+
+def _hparams(run_dir: Path) -> dict:
+    path = run_dir / "hparams.yaml"
+    if not path.is_file():
+        return {}
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        return {}
+
+
+def _label(run_dir: Path, runs: list[Path]) -> str:
+    """The run's name: its logger name (the folder above version_N), with the version if needed."""
+    name = run_dir.parent.name if run_dir.name.startswith("version_") else run_dir.name
+    clash = sum(1 for r in runs if (r.parent.name if r.name.startswith("version_") else r.name) == name)
+    return f"{name}/{run_dir.name}" if clash > 1 else name
+
+
+def _interp(x: float, points: list[tuple[int, float]]) -> float:
+    """Linear interpolation of `points` (sorted by step) at step x; totals start at 0 before step 0."""
+    points = [(-1, 0.0), *points]
+    for (s0, v0), (s1, v1) in zip(points, points[1:]):
+        if s0 <= x <= s1:
+            return v0 if s1 == s0 else v0 + (v1 - v0) * (x - s0) / (s1 - s0)
+    last_step, last = points[-1]
+    per_step = last / (last_step + 1) if last_step >= 0 else 0.0
+    return last + per_step * (x - last_step)  # past the last logged total: extrapolate its rate
+
+
+def summarize(run_dir: Path, label: str) -> RunSummary:
+    """The table row and the curve of one run."""
+    cols = _columns(run_dir / "metrics.csv")
+    if "flops/total" not in cols:
+        totals = _checkpoint_totals(run_dir)
+        if not totals:
+            raise ValueError(
+                f"The run {run_dir} has no FLOP totals (no flops/total in metrics.csv, no "
+                "FlopAccounting state in checkpoints/last.ckpt); train it with "
+                "nag_lightning.callbacks.FlopAccounting among trainer.callbacks."
+            )
+        last_step = max((s for v in cols.values() for s, _ in v), default=0)
+        cols["flops/total"] = [(last_step, totals["flops/total"])]
+        cols["flops/tokens"] = [(last_step, totals["flops/tokens"])]
+    totals = sorted(cols["flops/total"])
+    val = sorted(cols.get("val/bpb", []))
+    curve = [(_interp(step, totals), bpb) for step, bpb in val]
+    fraction = [v for _, v in cols.get("flops/executed_fraction", [])]
+    params = [v for _, v in cols.get("flops/executed_params_per_token", [])]
+    hp = _hparams(run_dir)
+    router = hp.get("router", "?")
+    options = hp.get("router_options") or {}
+    if router != "none" and options:
+        router = f"{router} " + ", ".join(f"{k}={v}" for k, v in options.items())
+    return RunSummary(
+        run=label, residual=str(hp.get("residual", "?")), router=str(router),
+        steps=totals[-1][0] + 1, tokens=int(cols["flops/tokens"][-1][1]),
+        training_flops=totals[-1][1],
+        executed_fraction=sum(fraction) / len(fraction) if fraction else math.nan,
+        executed_params_per_token=sum(params) / len(params) if params else math.nan,
+        final_val_bpb=val[-1][1] if val else math.nan, curve=curve,
+    )
+
+
+def markdown_table(rows: list[RunSummary]) -> str:
+    head = ("| run | residual | router | steps | tokens seen | training FLOPs | executed fraction "
+            "| executed layer params/token | final val bits/byte |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r.run} | {r.residual} | {r.router} | {r.steps} | {r.tokens:,} | {r.training_flops:.4g} "
+            f"| {r.executed_fraction:.3f} | {r.executed_params_per_token:,.0f} | {r.final_val_bpb:.4f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[RunSummary], path: Path) -> Path:
+    """Val bits per byte against training FLOPs, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        if r.curve:
+            x, y = zip(*r.curve)
+            ax.plot(x, y, marker="o", markersize=3, label=f"{r.run} ({r.final_val_bpb:.3f})")
+    ax.set(xlabel="training FLOPs", ylabel="validation bits per byte",
+           title="Validation bits per byte against training compute")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def compare(runs: list[str | Path], out: str | Path = "runs/compare") -> list[RunSummary]:
+    """Summarise `runs`, write compare.csv, compare.md and compare.png into `out`, return the rows."""
+    run_dirs = find_runs(runs)
+    rows = [summarize(d, _label(d, run_dirs)) for d in run_dirs]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "compare.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(r.row() for r in rows)
+    (out / "compare.md").write_text(markdown_table(rows))
+    plot(rows, out / "compare.png")
+    return rows
+
+
+def compare_command(args: list[str]) -> None:
+    """`nag-lightning compare RUN [RUN ...] [--out DIR]`: a table of finished runs at their training
+    FLOPs (printed, and written as CSV and markdown) and a plot of val bits per byte against them."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog="nag-lightning compare", description=compare_command.__doc__)
+    parser.add_argument("runs", nargs="+", help="run folders (with metrics.csv) or folders above them")
+    parser.add_argument("--out", default="runs/compare", help="folder for compare.csv/.md/.png")
+    cfg = parser.parse_args(args)
+    rows = compare(cfg.runs, cfg.out)
+    print(markdown_table(rows), end="")
+    print(f"wrote {Path(cfg.out) / 'compare.csv'}, compare.md and compare.png")
