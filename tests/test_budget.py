@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget
-from nag_lightning.flops import count_flops, reference_training_flops
+from nag_lightning.flops import StepFlops, count_flops, reference_training_flops
 from nag_lightning.module import NAGLanguageModel
 
 SEQ, BATCH, BATCHES = 16, 4, 3  # an epoch is 3 steps
@@ -119,6 +119,63 @@ def test_gradient_accumulation_counts_every_micro_batch(tmp_path):
     trainer(tmp_path, [accounting], max_steps=2, accumulate_grad_batches=3).fit(module, loader())
     assert totals == [3 * per_batch, 6 * per_batch]  # one entry per optimizer step
     assert accounting.tokens == 6 * BATCH * SEQ
+
+
+def test_throughput_and_mfu_come_from_lightnings_throughput(tmp_path):
+    module = model()
+    peak = 1e9
+    run = trainer(tmp_path, [FlopAccounting(peak_flops=peak, window_size=2)], max_steps=4,
+                  log_every_n_steps=1, logger=CSVLogger(tmp_path, name="mfu", version=0))
+    run.fit(module, loader())
+    with open(tmp_path / "mfu" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("throughput/device/mfu")]
+    assert len(rows) == 3  # once the window of 2 steps is full: steps 2, 3 and 4
+    for row in rows:
+        flops_per_sec = float(row["throughput/device/flops_per_sec"])
+        assert float(row["throughput/device/mfu"]) == pytest.approx(flops_per_sec / peak)
+        seconds_per_step = 1 / float(row["throughput/device/batches_per_sec"])
+        assert flops_per_sec * seconds_per_step == pytest.approx(dense_step_flops(module))
+        assert float(row["throughput/device/tokens_per_sec"]) * seconds_per_step == pytest.approx(BATCH * SEQ)
+
+
+class Linear(L.LightningModule):
+    """Not a nag_lightning model, and without a way to count it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(SEQ + 1, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch.float()).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class CountedLinear(Linear):
+    """The same, reporting its FLOPs through `flop_counter()`."""
+
+    def flop_counter(self):
+        class Counter:
+            def step(self) -> StepFlops:
+                return StepFlops(forward=2 * BATCH * (SEQ + 1), layer=1.0, full_depth_layer=2.0,
+                                 executed_params=BATCH * (SEQ + 1), tokens=BATCH, samples=BATCH)
+
+        return Counter()
+
+
+def test_any_lightning_module_can_be_counted_through_flop_counter(tmp_path):
+    accounting = FlopAccounting()
+    seen: list[dict] = []
+    accounting.add_listener(lambda trainer, acc: seen.append(dict(acc.last)))
+    trainer(tmp_path, [accounting], max_steps=3).fit(CountedLinear(), loader())
+    assert accounting.training_flops == 3 * 3 * 2 * BATCH * (SEQ + 1)
+    assert seen[-1]["executed_fraction"] == 0.5 and seen[-1]["executed_params_per_token"] == SEQ + 1
+
+
+def test_a_module_that_cannot_be_counted_is_told_how(tmp_path):
+    with pytest.raises(ValueError, match="flop_counter"):
+        trainer(tmp_path, [FlopAccounting()], max_steps=1).fit(Linear(), loader())
 
 
 # ---- checkpoints and resume ------------------------------------------------------------------------
