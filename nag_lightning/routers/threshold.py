@@ -1,0 +1,232 @@
+"""Threshold Mixture-of-Depths router, the interpretable NAG MoD of arXiv 2606.16112 (Figliolia &
+Millidge, "Scaling Adaptive Depth with Norm-Agnostic Residual Networks"), DESIGN section 4. The
+capacity-based router it is compared with is Raposo et al. 2024, arXiv 2404.02258 (`topk`).
+
+A sublayer's contribution to a token is the angle, in radians, by which it turns the token's state
+direction (DESIGN section 3). A linear probe on the read input predicts it, and the sublayer runs
+only where the predicted angle reaches a threshold tau:
+
+    h.detach() ──> theta_hat = softplus(<w, h> + b) ──> executed = theta_hat >= tau,  g = 1
+    after the write: MSE(theta_hat, theta) on the executed tokens   (theta detached)
+
+The decision reads only the token's own state, so it is causal by construction, in training,
+evaluation and generation alike, and a post-training sweep of tau traces the accuracy/compute
+curve. tau is fixed, or, with `target_rate`, adapted during training so the sublayer skips that
+fraction of tokens. Training then decides with a live threshold that a controller moves after
+every forward pass, tau_live *= exp(gain * spread * (target_rate - rate)), rate being the fraction
+of the batch predicted below it and spread the batch's standard deviation of log theta_hat (a
+Robbins-Monro estimate of the quantile: right on average over batches, not fitted to any one).
+Evaluation and generation decide with `tau`, the running average of tau_live, which has none of
+its batch-to-batch jitter (as evaluating with averaged weights does). A forward pass decides with
+thresholds from before it, so a batch's own later tokens never influence an earlier token. All of
+these are buffers: checkpoints keep them.
+
+Choices:
+  - g = 1 on executed tokens: the write of an executed token is exactly the unrouted model's, so a
+    model trained without a router can be thresholded after training, and the regression target is
+    the angle the sublayer really produces. A hard threshold is not differentiable, so a soft gate
+    would not teach the router anything; the probe learns from its own loss only.
+  - Start-up: an untrained probe could otherwise skip everything (and then never see a
+    contribution to learn from) or nothing. For the first `warmup_steps` training forwards every
+    token runs and supervises the probe. b = a learned bias + an offset (a buffer) that the first
+    training batch sets so the mean prediction equals the mean measured angle, and that later
+    batches keep correcting by a share `calibration` of the gap: angles grow by orders of
+    magnitude early in training, far faster than gradient steps can move a bias, and a
+    miscalibrated probe would skip the wrong tokens. An adapting threshold moves with the offset.
+    With `target_rate` the controller cannot skip everything (it skips the lowest-predicted share
+    only); a fixed tau above every predicted angle does skip everything, as it asks.
+  - Block 0's attention reads only the token's byte, so its predictions take at most 256 values
+    and its skipped share moves in steps of one byte's frequency (a space is ~15% of source code);
+    in small models the tokens it skips tend to skip the later sublayers too. The controller then
+    alternates around the target, right on average over training, while the MoD rate of one
+    evaluation can land a few points off it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nag_lightning.routers import ROUTERS, Route, Router
+
+
+def inverse_softplus(y: Tensor) -> Tensor:
+    """x with softplus(x) = y, for y > 0."""
+    return y + torch.log(-torch.expm1(-y))
+
+
+@ROUTERS.register("threshold")
+class ThresholdRouter(Router):
+    """Skip a token when its predicted contribution angle is below tau radians.
+
+    Args:
+        d_model: width of the sublayer's read input.
+        tau: threshold in radians: a token runs the sublayer when its predicted contribution angle
+            is at least tau. Fixed, or the starting value when target_rate is set.
+        target_rate: adapt tau during training so this sublayer skips this fraction of tokens, in
+            [0, 1) (its MoD rate); None keeps tau fixed.
+        tau_gain: how fast the training threshold adapts: each training forward multiplies it by
+            exp(tau_gain * s * (target_rate - the fraction of the batch below it)), s the spread
+            (standard deviation) of log theta_hat in the batch.
+        tau_average: weight of the newest training threshold in the running average that
+            evaluation and generation use.
+        calibration: weight of each batch in the running correction of b that keeps the mean
+            predicted angle on the measured one.
+        warmup_steps: training forward passes at the start during which every token runs, so the
+            predictor first learns from all of them.
+    """
+
+    needs_contribution = True
+
+    def __init__(
+        self,
+        d_model: int,
+        tau: float = 0.0,
+        target_rate: float | None = None,
+        tau_gain: float = 2.0,
+        tau_average: float = 0.05,
+        calibration: float = 0.1,
+        warmup_steps: int = 10,
+    ) -> None:
+        super().__init__(d_model)
+        if not tau >= 0:
+            raise ValueError(
+                f"router_options.tau is an angle threshold in radians and cannot be negative; got {tau}."
+            )
+        if target_rate is not None and not 0 <= target_rate < 1:
+            raise ValueError(
+                "router_options.target_rate is the fraction of tokens that skip the sublayer and must "
+                f"be in [0, 1) (e.g. 0.25), or null for a fixed tau; got {target_rate}."
+            )
+        for name, value in (("tau_average", tau_average), ("calibration", calibration)):
+            if not 0 < value <= 1:
+                raise ValueError(f"router_options.{name} must be in (0, 1]; got {value}.")
+        if not tau_gain > 0:
+            raise ValueError(f"router_options.tau_gain must be positive; got {tau_gain}.")
+        if warmup_steps < 0:
+            raise ValueError(f"router_options.warmup_steps must be 0 or more; got {warmup_steps}.")
+        self.target_rate = target_rate
+        self.tau_gain = tau_gain
+        self.tau_average = tau_average
+        self.calibration = calibration
+        self.warmup_steps = warmup_steps
+        self.probe = nn.Linear(d_model, 1)
+        # h has per-channel scale ~1: <w, h> starts at ~N(0, 0.1^2), so predictions differ per token.
+        nn.init.normal_(self.probe.weight, std=0.1 / math.sqrt(d_model))
+        nn.init.zeros_(self.probe.bias)
+        # Buffers, so checkpoints keep them. `tau` is the threshold of evaluation and generation
+        # (and of training when fixed); `tau_live` is the controller's training threshold, whose
+        # running average `tau` is. `bias_offset` is the calibrated part of b. `steps` counts
+        # training forwards (warm-up, first updates).
+        self.register_buffer("tau", torch.tensor(float(tau)))
+        self.register_buffer("tau_live", torch.tensor(float(tau)))
+        self.register_buffer("bias_offset", torch.tensor(0.0))
+        self.register_buffer("steps", torch.tensor(0, dtype=torch.long))
+        self._steps_seen: int | None = None  # host copy of `steps`: routing needs no device sync
+        self._theta_hat: Tensor | None = None
+        self._stats: dict[str, Tensor] = {}
+
+    def _steps(self) -> int:
+        if self._steps_seen is None:
+            self._steps_seen = int(self.steps)
+        return self._steps_seen
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._steps_seen = None  # re-read the loaded buffer
+
+    def predict(self, h: Tensor) -> Tensor:
+        """theta_hat (...) in radians from the read input h (..., d); no gradient reaches h."""
+        z = self.probe(h.detach()).squeeze(-1).float() + self.bias_offset
+        return F.softplus(z)
+
+    def threshold(self) -> Tensor:
+        """The tau this forward pass decides with."""
+        adapting = self.training and self.target_rate is not None
+        return self.tau_live if adapting else self.tau
+
+    def forward(self, h: Tensor) -> Route:
+        theta_hat = self.predict(h)  # (B, T)
+        self._theta_hat = theta_hat
+        if self.training and self._steps() < self.warmup_steps:
+            return Route()
+        return Route(executed=theta_hat.detach() >= self.threshold())
+
+    def observe(self, h: Tensor, route: Route, contribution: Tensor | None) -> None:
+        """Regress theta_hat on the executed tokens' measured angle; move tau toward the target."""
+        theta_hat, self._theta_hat = self._theta_hat, None
+        executed = route.executed
+        if not self.training or contribution is None or theta_hat is None:
+            self.aux_loss = h.new_zeros((), dtype=torch.float)
+            self._record(theta_hat, contribution, executed, None)
+            return
+        target = contribution.detach().float()
+        mask = torch.ones_like(target, dtype=torch.bool) if executed is None else executed
+        self._calibrate(theta_hat.detach(), target, mask)
+        theta_hat = self.predict(h)
+        error = (theta_hat - target).square()
+        self.aux_loss = (error * mask).sum() / mask.sum().clamp_min(1)
+        if self.target_rate is not None:
+            self._track_tau(theta_hat.detach())
+        self.steps += 1
+        self._steps_seen = self._steps() + 1
+        self._record(theta_hat, contribution, executed, self.aux_loss)
+
+    @torch.no_grad()
+    def _calibrate(self, theta_hat: Tensor, target: Tensor, mask: Tensor) -> None:
+        """Move b's offset so the mean prediction on executed tokens approaches their mean
+        measured angle, in softplus-inverse space; the first batch sets it outright. An adapting
+        threshold moves with it, so calibration alone leaves the skipped fraction unchanged."""
+        count = mask.sum().clamp_min(1)  # no executed token: both means clamp alike, no shift
+        measured = ((target * mask).sum() / count).clamp_min(1e-6)
+        predicted = ((theta_hat * mask).sum() / count).clamp_min(1e-6)
+        weight = 1.0 if self._steps() == 0 else self.calibration
+        shift = weight * (inverse_softplus(measured) - inverse_softplus(predicted))
+        self.bias_offset += shift
+        if self.target_rate is not None and self._steps() > 0:
+            for tau in (self.tau_live, self.tau):
+                tau.copy_(F.softplus(inverse_softplus(tau.clamp_min(1e-12)) + shift))
+
+    @torch.no_grad()
+    def _track_tau(self, theta_hat: Tensor) -> None:
+        """One Robbins-Monro step of `tau_live` toward the target quantile of theta_hat, in log
+        space and scaled by the batch's spread of log theta_hat, so a step moves the same share of
+        the distribution however wide it is; `tau` then averages `tau_live` (in log space). The
+        first update starts both at this batch's quantile."""
+        values = theta_hat.flatten()
+        if self._steps() == 0:
+            skipped = round(self.target_rate * values.numel())  # this many lie strictly below tau
+            self.tau_live.copy_(values.kthvalue(min(skipped + 1, values.numel())).values)
+            self.tau.copy_(self.tau_live)
+            return
+        rate = (values < self.tau_live).float().mean()
+        spread = values.clamp_min(1e-12).log().std().nan_to_num(0.0)
+        self.tau_live.mul_(torch.exp(self.tau_gain * spread * (self.target_rate - rate)))
+        self.tau_live.clamp_(min=1e-12)
+        weight = max(self.tau_average, 1.0 / (self._steps() + 1))
+        log_tau = torch.lerp(self.tau.clamp_min(1e-12).log(), self.tau_live.log(), weight)
+        self.tau.copy_(log_tau.exp())
+
+    @torch.no_grad()
+    def _record(
+        self, theta_hat: Tensor | None, angle: Tensor | None, executed: Tensor | None, loss: Tensor | None
+    ) -> None:
+        self._stats = {"tau": self.threshold().clone()}
+        if loss is not None:
+            self._stats["predictor_mse"] = loss.detach()
+        if theta_hat is not None and angle is not None:
+            mask = torch.ones_like(angle) if executed is None else executed.to(angle.dtype)
+            count = mask.sum().clamp_min(1)
+            self._stats["theta_hat_mean"] = (theta_hat * mask).sum() / count
+            self._stats["theta_mean"] = (angle.float() * mask).sum() / count
+
+    def flops_per_token(self) -> int:
+        """The probe <w, h> (the bias add and softplus are not multiply-adds)."""
+        return 2 * self.d_model
+
+    def stats(self) -> dict[str, float]:
+        """tau, the probe's MSE and the mean predicted and measured angle of executed tokens."""
+        return {k: v.item() for k, v in self._stats.items()}
