@@ -1,0 +1,92 @@
+"""What routing did on the last forward pass: MoD rate, executed tokens, KV entries, router losses.
+
+Every `Sublayer` keeps `executed_per_seq` (B,) after a forward; every router keeps its auxiliary loss
+and `stats()`. These functions turn them into the numbers DESIGN section 4 asks each router to
+report, and an analytic count of the forward FLOPs that were executed.
+
+    MoD rate = skipped (token, sublayer) executions / (tokens x sublayers of the WHOLE model)
+
+so routing half the sublayers at a 25% rate per sublayer is a 12.5% MoD rate.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+
+def sublayer_label(sublayer: nn.Module) -> str:
+    """'{block}_{kind}', e.g. '3_attn', the name sublayers are logged under."""
+    return f"{sublayer.index // 2}_{sublayer.kind}"
+
+
+def is_routed(sublayer: nn.Module) -> bool:
+    return getattr(sublayer.router, "registry_name", None) != "none"
+
+
+def routing_stats(model: nn.Module, seq_len: int, per_sublayer: bool = True) -> dict[str, float]:
+    """Routing numbers of the last forward pass of `model` (a `Transformer`) on sequences of
+    `seq_len` tokens.
+
+    Keys: `mod_rate` (whole model), `executed_tokens` ((token, sublayer) executions),
+    `kv_entries` (keys/values written, all attention sublayers), `executed_param_fraction` (executed
+    sublayer parameters per token over all of them), `aux_loss` (sum over routers), the mean of
+    each router statistic over routed sublayers (e.g. `predictor_agreement`, `tau`), and with
+    `per_sublayer` `mod_rate/{block}_{kind}` and `{statistic}/{block}_{kind}` for routed sublayers.
+    """
+    sublayers = model.sublayers
+    if any(s.executed_per_seq is None for s in sublayers):
+        raise ValueError("routing_stats needs a forward pass of the model first.")
+    batch = sublayers[0].executed_per_seq.numel()
+    tokens = batch * seq_len
+    executed = torch.stack([s.executed_per_seq.sum() for s in sublayers]).double().cpu()
+    params = torch.tensor([sum(p.numel() for p in s.compute.parameters()) for s in sublayers],
+                          dtype=torch.float64)
+    stats: dict[str, float] = {
+        "mod_rate": 1.0 - executed.sum().item() / (tokens * len(sublayers)),
+        "executed_tokens": executed.sum().item(),
+        "kv_entries": sum(e.item() for e, s in zip(executed, sublayers) if s.kind == "attn"),
+        "executed_param_fraction": (executed / tokens * params).sum().item() / params.sum().item(),
+        "aux_loss": sum(float(s.router.aux_loss.detach()) for s in sublayers if is_routed(s)),
+    }
+    pooled: dict[str, list[float]] = defaultdict(list)
+    for e, s in zip(executed, sublayers):
+        if not is_routed(s):
+            continue
+        label = sublayer_label(s)
+        router_stats = s.router.stats()
+        for key, value in router_stats.items():
+            pooled[key].append(value)
+        if per_sublayer:
+            stats[f"mod_rate/{label}"] = 1.0 - e.item() / tokens
+            stats.update({f"{key}/{label}": value for key, value in router_stats.items()})
+    stats.update({key: sum(values) / len(values) for key, values in pooled.items()})
+    return stats
+
+
+def forward_flops(model: nn.Module, seq_len: int) -> float:
+    """Forward FLOPs (2 x multiply-adds) the last forward pass executed, counted analytically.
+
+    Per executed token: attention projections 8 d^2, scores and values 4 d per key it attends to
+    (causally, executed keys only), SwiGLU 6 d h; per token: every router's scoring
+    (`flops_per_token`) and the LM head 2 d V. Elementwise work (norms, the residual write,
+    softmax) and the embedding lookup are O(d) and left out.
+    """
+    sublayers = model.sublayers
+    cfg = model.cfg
+    d, vocab = cfg.d_model, cfg.vocab_size
+    hidden = int(cfg.mlp_ratio * d)
+    batch = sublayers[0].executed_per_seq.numel()
+    tokens = batch * seq_len
+    total = 2.0 * d * vocab * tokens
+    for s in sublayers:
+        n = s.executed_per_seq.double()  # (B,)
+        if s.kind == "attn":
+            pairs = (n * (n + 1) / 2).sum().item()  # causal (query, key) pairs among executed
+            total += 8.0 * d * d * n.sum().item() + 4.0 * d * pairs
+        else:
+            total += 6.0 * d * hidden * n.sum().item()
+        total += float(s.router.flops_per_token()) * tokens
+    return total
