@@ -110,6 +110,8 @@ def prepare_command(args: list[str]) -> None:
 COMMANDS: dict[str, str] = {
     "prepare": "nag_lightning.cli:prepare_command",
     "compare": "nag_lightning.analysis.compare:compare_command",
+    "sweep": "nag_lightning.analysis.sweep:sweep_command",
+    "generate": "nag_lightning.analysis.generate:generate_command",
 }
 
 
