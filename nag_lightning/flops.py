@@ -16,10 +16,11 @@ that counter, the count covers matrix products only:
       embedding               0 (a table lookup)
       residual read / write   0 (elementwise: RMSNorm, the NAG rotation, rotary, gating)
 
-Elementwise work is left out on purpose, for every residual strategy alike: it is a few dozen
-FLOPs per token and channel-width (NAG's write is about 15·C, a prenorm add and RMSNorm about 5·C)
-against the 8·C² + 6·C·H of the matrix products, and FlopCounterMode does not count it either, so
-leaving it out keeps one definition from the analytic count to the measurement.
+Elementwise work is left out on purpose, for every residual strategy alike: per sublayer and token
+it is roughly 17·C for NAG's read and write and 7·C for a prenorm add and RMSNorm, about 1% of the
+8·C² + 6·C·H of a block's matrix products at C = 64 and less at larger widths, and FlopCounterMode
+does not count it either, so leaving it out keeps one definition from the analytic count to the
+measurement.
 
 Attention counts what the kernel computes, not only the causal half. Dense attention runs
 `scaled_dot_product_attention(is_causal=True)` over all T tokens, and every counter (and the
