@@ -22,13 +22,13 @@ it is roughly 17·C for NAG's read and write and 7·C for a prenorm add and RMSN
 does not count it either, so leaving it out keeps one definition from the analytic count to the
 measurement.
 
-Attention counts what the kernel computes, not only the causal half. Dense attention runs
-`scaled_dot_product_attention(is_causal=True)` over all T tokens, and every counter (and the
-fused kernels' FLOP formulas) counts the whole T x T block: K = T. Routed attention gathers each
-sequence's executed tokens into a padded (B, K, K) block, K = the largest executed count of the
-batch, and computes all of it: K = max over the batch. The causal, unpadded work — n·(n+1)/2
-query-key pairs for a sequence of n executed tokens — is reported beside it as
-`attention_useful`, for who wants the algorithmic count.
+Attention counts the whole block it is given, as FlopCounterMode and torch's FLOP formulas for
+the fused kernels count every `scaled_dot_product_attention` call, causal or masked. Dense
+attention runs over all T tokens: K = T. Routed attention gathers each sequence's executed tokens
+into a padded (B, K, K) block, K = the largest executed count in the batch.
+(A causal kernel may skip the masked half in practice.) The causal, unpadded work, n·(n+1)/2
+query-key pairs for a sequence of n executed tokens, is reported beside it as `attention_useful`,
+for who wants the algorithmic count.
 
 Training FLOPs are 3 x forward (the backward pass does two matrix products per forward one).
 """
