@@ -167,13 +167,12 @@ class Attention(nn.Module):
         K = int(executed.sum(1).max())
         padded = h.new_zeros(3, B, K, *q.shape[1:])  # (3, B, K, H, D)
         padded[:, b, slot] = torch.stack((q, k, v))
-        pos = torch.full((B, K), -1, dtype=torch.long, device=h.device)
-        pos[b, slot] = t  # padding slots keep -1 ...
-        valid = pos >= 0
-        allowed = valid.unsqueeze(1) & (pos.unsqueeze(1) <= pos.unsqueeze(2))  # (B, Kq, Kk)
-        allowed |= torch.eye(K, dtype=torch.bool, device=h.device)  # ... and see only themselves
+        # Slots hold a sequence's executed tokens in position order and its padding after them,
+        # so attending causally by original position among executed tokens is plain causal
+        # attention over slots: no real query reaches a padding slot, and padding queries' outputs
+        # are dropped. is_causal also lets the kernel skip the masked half instead of computing it.
         q, k, v = padded.transpose(2, 3).unbind(0)  # (B, H, K, D)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2)[b, slot].flatten(-2))  # (N, C)
 
 
