@@ -30,7 +30,7 @@ def test_forward_backward_without_nan(residual):
     for name, param in model.named_parameters():
         # A strategy may hold parameters the loss does not see in some settings (NAG's beta moves
         # only the norm lane, which reaches the logits only with norm_lane_readout).
-        if name.startswith("strategy.") and param.grad is None:
+        if name.startswith("strategy.") and (param.grad is None or not param.grad.any()):
             continue
         assert param.grad is not None, f"{name} got no gradient"
         assert torch.isfinite(param.grad).all(), f"{name} has a non-finite gradient"
@@ -40,7 +40,9 @@ def test_nag_norm_lane_reaches_the_loss_only_through_the_readout():
     for readout in (False, True):
         model = tiny("nag", residual_options={"norm_lane_readout": readout, "beta_init": 0.1})
         model(torch.randint(0, 256, (2, 8))).logits.square().mean().backward()
-        assert (model.strategy.beta.grad is not None) == readout
+        grad = model.strategy.beta.grad
+        reaches = grad is not None and bool(grad.abs().sum() > 0)
+        assert reaches == readout
 
 
 @pytest.mark.parametrize("residual", RESIDUALS.names())

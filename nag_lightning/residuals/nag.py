@@ -9,8 +9,8 @@ only the direction and write a bounded rotation of it; their radial part moves r
         └───────────────────────────┴─> u' = cos θ · u + sin θ · f⊥/|f⊥|      (|u'| = 1)
     rho ───────────────────────────────> rho' = rho + g·β_l·a/√d
 
-Since every sublayer turns u by at most θmax whatever the depth, a late layer matters as much as an
-early one; θ is also the sublayer's contribution, the number routers threshold on. The update runs
+Since every sublayer turns u by at most θmax whatever the state's history, a late layer matters as
+much as an early one; θ is also the sublayer's contribution, the number routers threshold on. The update runs
 through `nag_kernels.nag_write`: a fused Triton kernel on CUDA, the PyTorch reference elsewhere.
 """
 
@@ -32,7 +32,12 @@ class NAGResidual(ResidualStrategy):
     Args:
         d_model: width of the residual stream.
         n_sublayers: number of sublayers that read and write the stream.
-        theta_max: bound on the angle one sublayer may turn a token by, in radians.
+        theta_max: bound on the angle one sublayer may turn a token by, in radians; None means
+            2 / n_sublayers. Rotations toward a direction shared by many tokens add up linearly
+            over depth and shrink what tells tokens apart by cos(theta) per sublayer, so the bound
+            must fall like 1/depth: with pi/2 (width 64, 8 or 16 blocks) every token collapsed
+            onto one direction within three blocks and training stalled at unigram loss
+            (docs/results.md).
         alpha_init: initial rotation scale of every sublayer; None means 1/sqrt(n_sublayers).
         beta_init: initial scale of the radial (log-norm) update of every sublayer.
         norm_lane_readout: multiply the logits by exp(clamp(rho, -4, 4)), so the norm lane acts as
@@ -44,13 +49,14 @@ class NAGResidual(ResidualStrategy):
         self,
         d_model: int,
         n_sublayers: int,
-        theta_max: float = math.pi / 2,
+        theta_max: float | None = None,
         alpha_init: float | None = None,
         beta_init: float = 0.0,
         norm_lane_readout: bool = False,
         kernel: str = "auto",
     ) -> None:
         super().__init__(d_model, n_sublayers)
+        theta_max = 2.0 / n_sublayers if theta_max is None else theta_max
         if not 0 < theta_max <= math.pi:
             raise ValueError(f"theta_max must be in (0, pi] radians; got {theta_max}.")
         if kernel not in BACKENDS:
