@@ -107,6 +107,7 @@ class RecomputedReference(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, f, rho, g, alpha, beta, theta_max, gamma_next):
         ctx.theta_max = theta_max
+        ctx.set_materialize_grads(False)  # outputs that do not reach the loss give None, not zeros
         ctx.save_for_backward(u, f, rho, g, alpha, beta, gamma_next)
         return nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next)
 
@@ -121,6 +122,8 @@ class RecomputedReference(torch.autograd.Function):
         with torch.enable_grad():
             outputs = nag_write_reference(u, f, rho, g, alpha, beta, ctx.theta_max, gamma_next)
         pairs = [(o, go) for o, go in zip(outputs, grads) if o is not None and go is not None]
+        if not pairs:
+            return (None,) * 8
         wanted = [t for t in inputs if t is not None and t.requires_grad]
         computed = iter(torch.autograd.grad(
             [o for o, _ in pairs], wanted, [go for _, go in pairs], allow_unused=True
