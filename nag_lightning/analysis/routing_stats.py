@@ -1,8 +1,8 @@
 """What routing did on the last forward pass: MoD rate, executed tokens, KV entries, router losses.
 
 Every `Sublayer` keeps `executed_per_seq` (B,) after a forward; every router keeps its auxiliary loss
-and `stats()`. These functions turn them into the numbers DESIGN section 4 asks each router to
-report, and an analytic count of the forward FLOPs that were executed.
+and `stats()`. `routing_stats` turns them into the numbers DESIGN section 4 asks each router to
+report; the executed FLOPs are `nag_lightning.flops`' to count.
 
     MoD rate = skipped (token, sublayer) executions / (tokens x sublayers of the WHOLE model)
 
@@ -64,29 +64,3 @@ def routing_stats(model: nn.Module, seq_len: int, per_sublayer: bool = True) -> 
             stats.update({f"{key}/{label}": value for key, value in router_stats.items()})
     stats.update({key: sum(values) / len(values) for key, values in pooled.items()})
     return stats
-
-
-def forward_flops(model: nn.Module, seq_len: int) -> float:
-    """Forward FLOPs (2 x multiply-adds) the last forward pass executed, counted analytically.
-
-    Per executed token: attention projections 8 d^2, scores and values 4 d per key it attends to
-    (causally, executed keys only), SwiGLU 6 d h; per token: every router's scoring
-    (`flops_per_token`) and the LM head 2 d V. Elementwise work (norms, the residual write,
-    softmax) and the embedding lookup are O(d) and left out.
-    """
-    sublayers = model.sublayers
-    cfg = model.cfg
-    d, vocab = cfg.d_model, cfg.vocab_size
-    hidden = int(cfg.mlp_ratio * d)
-    batch = sublayers[0].executed_per_seq.numel()
-    tokens = batch * seq_len
-    total = 2.0 * d * vocab * tokens
-    for s in sublayers:
-        n = s.executed_per_seq.double()  # (B,)
-        if s.kind == "attn":
-            pairs = (n * (n + 1) / 2).sum().item()  # causal (query, key) pairs among executed
-            total += 8.0 * d * d * n.sum().item() + 4.0 * d * pairs
-        else:
-            total += 6.0 * d * hidden * n.sum().item()
-        total += float(s.router.flops_per_token()) * tokens
-    return total

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nag_lightning.analysis.routing_stats import forward_flops, is_routed
+from nag_lightning.analysis.routing_stats import is_routed
+from nag_lightning.flops import count_model, full_depth_forward_flops
 from nag_lightning.model import Transformer
 from nag_lightning.routers.threshold import ThresholdRouter
 from nag_lightning.routers.topk import TopKRouter
@@ -61,16 +62,6 @@ class SweepRow:
     predictor_agreement: float | None = None
 
 
-def flops_of_last_forward(model: Transformer, seq_len: int) -> float:
-    """Executed forward FLOPs of the model's last forward: the project's analytic FLOP model
-    (`nag_lightning.flops`) where available, else `routing_stats.forward_flops`."""
-    try:
-        from nag_lightning.flops import count_model
-    except ImportError:
-        return forward_flops(model, seq_len)
-    return float(count_model(model, seq_len).forward)
-
-
 def _batches(loader: Iterable, n: int) -> list[Tensor]:
     out = []
     for batch in loader:
@@ -98,7 +89,7 @@ def evaluate(model: Transformer, batches: list[Tensor], oracle_tau: float | None
         tokens += B * T
         executed = sum(s.executed_per_seq.sum().item() for s in model.sublayers)
         skipped += B * T * len(model.sublayers) - executed
-        flops += flops_of_last_forward(model, T)
+        flops += count_model(model, T).forward
         agreement += [
             s.router.stats()["predictor_agreement"] for s in model.sublayers
             if isinstance(s.router, TopKRouter)
@@ -249,18 +240,8 @@ def run_sweep(
     return rows
 
 
-@torch.no_grad()
 def _dense_flops(model: Transformer, seq_len: int) -> float:
-    """Executed forward FLOPs per token of the same model with every token running every sublayer
-    and no router scoring."""
-    try:
-        from nag_lightning.flops import full_depth_forward_flops
-    except ImportError:
-        cfg = model.cfg
-        d, hidden = cfg.d_model, int(cfg.mlp_ratio * cfg.d_model)
-        pairs = seq_len * (seq_len + 1) / 2
-        per_seq = cfg.n_layers * (8 * d * d * seq_len + 4 * d * pairs + 6 * d * hidden * seq_len)
-        return per_seq / seq_len + 2 * d * cfg.vocab_size
+    """Forward FLOPs per token of the same model with every token running every sublayer."""
     return full_depth_forward_flops(model.cfg, seq_len) / seq_len
 
 
