@@ -112,6 +112,7 @@ COMMANDS: dict[str, str] = {
     "compare": "nag_lightning.analysis.compare:compare_command",
     "sweep": "nag_lightning.analysis.sweep:sweep_command",
     "generate": "nag_lightning.analysis.generate:generate_command",
+    "study": "nag_lightning.analysis.study:study_command",
 }
 
 
