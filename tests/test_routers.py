@@ -20,6 +20,16 @@ from nag_lightning.routers.topk import TopKRouter
 T = 32
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: one thread runs them fastest and does not fight other processes for
+    the cores (under contention, a second spinning thread made single steps take seconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny(residual="nag", router="none", seed=0, **overrides) -> Transformer:
     torch.manual_seed(seed)
     cfg = dict(d_model=32, n_layers=2, n_heads=2, seq_len=T, residual=residual, router=router)

@@ -27,6 +27,16 @@ COLUMNS = ["method", "setting", "value", "mod_rate", "flops_per_token", "execute
            "val_loss", "bpb", "predictor_agreement"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: one thread runs them fastest and does not fight other processes for
+    the cores (under contention, a second spinning thread made single steps take seconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("mod")
