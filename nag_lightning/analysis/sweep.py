@@ -8,8 +8,9 @@ claim 5: MoD as a post-training knob).
     MoD rate, executed forward FLOPs per token, loss, bits per byte  ─> sweep.csv, sweep.png
 
 The oracle curve skips a sublayer where its *measured* contribution angle is below tau: it knows
-the angle only after computing the sublayer, so it saves no compute; it bounds from above what a
-predictor of the angle could reach at the same MoD rate.
+the angle only after computing the sublayer, so it saves no compute; for a model trained without
+a router it bounds from above what a predictor of the angle could reach at the same MoD rate. A
+model trained with routing never ran dense, so there it is a reference, not a bound.
 """
 
 from __future__ import annotations
@@ -257,14 +258,19 @@ def write_csv(rows: list[SweepRow], path: Path) -> Path:
 
 LABELS = {
     "threshold": "threshold router (sweep of tau)",
-    "oracle": "oracle: skips on the measured angle (saves no compute; bound for predictors)",
+    "oracle": "oracle: skips on the measured angle (upper bound, saves no compute)",
     "topk": "top-k, exact (non-causal, analysis only)",
     "topk_predictor": "top-k, causal predictor (as trained)",
 }
 
 
-def plot(rows: list[SweepRow], path: Path, title: str) -> Path:
-    """Bits per byte against executed forward FLOPs per token, one line per method."""
+ORACLE_TRAINED_ROUTED = "oracle: skips on the measured angle (saves no compute; no bound here)"
+
+
+def plot(rows: list[SweepRow], path: Path, title: str, trained_routed: bool = False) -> Path:
+    """Bits per byte against executed forward FLOPs per token, one line per method. The oracle
+    bounds post-training routing; a model trained with routing never ran dense, so there it is
+    only a reference (`trained_routed` says so in its label)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,7 +283,8 @@ def plot(rows: list[SweepRow], path: Path, title: str) -> Path:
         if not points:
             continue
         x, y, rate = zip(*points)
-        ax.plot(x, y, style, label=LABELS[method], markersize=9 if style == "*" else 5)
+        label = ORACLE_TRAINED_ROUTED if method == "oracle" and trained_routed else LABELS[method]
+        ax.plot(x, y, style, label=label, markersize=9 if style == "*" else 5)
         if method in ("threshold", "topk"):
             for xi, yi, ri in zip(x, y, rate):
                 ax.annotate(f"{100 * ri:.0f}%", (xi, yi), fontsize=7, xytext=(3, 3),
@@ -308,6 +315,7 @@ def sweep(
     batch_size: int | None = None,
     max_bytes: int | None = None,
     device: str = "cpu",
+    seed: int = 0,
 ) -> dict[str, Path]:
     """Sweep a checkpoint's routing and write sweep.csv and sweep.png into `out_dir`.
 
@@ -327,6 +335,7 @@ def sweep(
         batch_size: sequences per batch; None: the checkpoint's.
         max_bytes: cap on the corpus bytes; None: the checkpoint's.
         device: where to run ("cpu", "cuda").
+        seed: seed of the attached probes' initialisation.
     """
     from nag_lightning.data import ByteDataModule
     from nag_lightning.module import NAGLanguageModel
@@ -345,10 +354,13 @@ def sweep(
     val = _batches(data.val_dataloader(), val_batches)
     needs_fit = module.hparams.router == "none"
     fit = _batches(data.train_dataloader(), fit_batches) if needs_fit else None
+    torch.manual_seed(seed)
     rows = run_sweep(module, val, fit, taus, capacities, route_kinds, fit_lr, oracle)
     out = Path(out_dir)
     title = f"{module.hparams.residual}, router {module.hparams.router}"
-    return {"csv": write_csv(rows, out / "sweep.csv"), "png": plot(rows, out / "sweep.png", title)}
+    trained_routed = module.hparams.router != "none"
+    return {"csv": write_csv(rows, out / "sweep.csv"),
+            "png": plot(rows, out / "sweep.png", title, trained_routed)}
 
 
 def load_checkpoint(cls, ckpt_path: str, device: str):
