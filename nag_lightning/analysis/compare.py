@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nag_lightning.plotting import pyplot, save
+
 COLUMNS = ("run", "residual", "router", "steps", "tokens", "training_flops", "executed_fraction",
            "executed_params_per_token", "final_val_bpb")
 
@@ -164,10 +166,7 @@ def markdown_table(rows: list[RunSummary]) -> str:
 
 def plot(rows: list[RunSummary], path: Path) -> Path:
     """Val bits per byte against training FLOPs, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
@@ -178,11 +177,7 @@ def plot(rows: list[RunSummary], path: Path) -> Path:
            title="Validation bits per byte against training compute")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def compare(runs: list[str | Path], out: str | Path = "runs/compare") -> list[RunSummary]:

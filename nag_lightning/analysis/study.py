@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from nag_lightning.plotting import pyplot, save
+
 RESIDUALS = ("prenorm", "nag")
 
 
@@ -107,10 +109,7 @@ def write_tables(results: list[dict], rows: list[dict], out: Path) -> None:
 
 
 def plot_depth_study(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_bpb, ax_gain) = plt.subplots(1, 2, figsize=(10, 4))
     for residual, color in zip(RESIDUALS, ("tab:gray", "tab:blue")):
@@ -130,9 +129,7 @@ def plot_depth_study(rows: list[dict], path: Path) -> None:
     ax_gain.set(xlabel="blocks", ylabel="prenorm bpb - NAG bpb",
                 title="NAG gain over prenorm (> 0: NAG better)")
     ax_bpb.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_norm_growth(out: Path, depth: int, seed: int) -> Path | None:
@@ -143,10 +140,7 @@ def plot_norm_growth(out: Path, depth: int, seed: int) -> Path | None:
         if not path.is_file():
             return None
         histories[residual] = json.loads(path.read_text())[-1]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_norm, ax_angle) = plt.subplots(1, 2, figsize=(11, 4))
     for (residual, entry), color in zip(histories.items(), ("tab:gray", "tab:blue")):
@@ -160,11 +154,7 @@ def plot_norm_growth(out: Path, depth: int, seed: int) -> Path | None:
                  title="Angle each sublayer turns the state (band: 10-90%)")
     ax_norm.legend()
     ax_angle.legend()
-    fig.tight_layout()
-    path = out / "norm_growth.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out / "norm_growth.png")
 
 
 def depth_study(

@@ -28,6 +28,7 @@ from torch import Tensor
 from nag_lightning.analysis.routing_stats import is_routed
 from nag_lightning.flops import count_model, full_depth_forward_flops
 from nag_lightning.model import Transformer
+from nag_lightning.plotting import pyplot, save
 from nag_lightning.routers.threshold import ThresholdRouter
 from nag_lightning.routers.topk import TopKRouter
 
@@ -271,10 +272,7 @@ def plot(rows: list[SweepRow], path: Path, title: str, trained_routed: bool = Fa
     """Bits per byte against executed forward FLOPs per token, one line per method. The oracle
     bounds post-training routing; a model trained with routing never ran dense, so there it is
     only a reference (`trained_routed` says so in its label)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method, style in (("threshold", "o-"), ("oracle", "s--"), ("topk", "o-"),
@@ -293,11 +291,7 @@ def plot(rows: list[SweepRow], path: Path, title: str, trained_routed: bool = Fa
            title=f"{title} (labels: MoD rate)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def sweep(

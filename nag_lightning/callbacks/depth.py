@@ -14,6 +14,8 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from nag_lightning.plotting import pyplot, save
+
 QUANTILES = (0.1, 0.5, 0.9)
 
 
@@ -82,10 +84,7 @@ class DepthDiagnostics(L.Callback):
 
 def plot_depth(history: list[dict], path: Path, title: str) -> Path:
     """State norm and contribution angle against sublayer depth, one line per validation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_norm, ax_angle) = plt.subplots(1, 2, figsize=(11, 4))
     labels = history[-1]["labels"]
@@ -108,8 +107,4 @@ def plot_depth(history: list[dict], path: Path, title: str) -> Path:
         ax.set_xticks(list(depth)[::step], labels[::step], rotation=45, fontsize=7)
     ax_norm.legend(fontsize=7)
     ax_angle.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
