@@ -20,14 +20,7 @@ from nag_lightning.routers.topk import TopKRouter
 T = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one thread runs them fastest and does not fight other processes for
-    the cores (under contention, a second spinning thread made single steps take seconds)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(residual="nag", router="none", seed=0, **overrides) -> Transformer:

@@ -27,14 +27,7 @@ COLUMNS = ["method", "setting", "value", "mod_rate", "flops_per_token", "execute
            "val_loss", "bpb", "predictor_agreement"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one thread runs them fastest and does not fight other processes for
-    the cores (under contention, a second spinning thread made single steps take seconds)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
