@@ -22,7 +22,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from nag_lightning.callbacks import DepthDiagnostics
 from nag_lightning.data import ByteDataModule
-from nag_lightning.module import ARCHITECTURE_FIELDS, NAGLanguageModel, _normalise
+from nag_lightning.module import NAGLanguageModel, architecture_differences
 
 CHECKPOINT_ALIASES = ("last", "best", "hpc", "registry")
 
@@ -57,11 +57,7 @@ class NagCLI(LightningCLI):
 def check_architecture(ckpt_path: str, model_config: dict) -> None:
     """Raise one sentence if the checkpoint's architecture differs from `model_config`."""
     saved = torch.load(ckpt_path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
-    differences = [
-        f"{name}={saved[name]!r} (this run: {model_config.get(name)!r})"
-        for name in ARCHITECTURE_FIELDS
-        if name in saved and _normalise(name, saved[name]) != _normalise(name, model_config.get(name))
-    ]
+    differences = architecture_differences(saved, model_config)
     if differences:
         raise ValueError(
             f"The checkpoint {ckpt_path} was trained with a different architecture: "

@@ -162,19 +162,24 @@ class NAGLanguageModel(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse, in one sentence, a checkpoint whose architecture differs from this model's."""
-        saved = checkpoint.get("hyper_parameters", {})
-        current = asdict(self.config)
-        differences = [
-            f"{name}={saved[name]!r} (this run: {current[name]!r})"
-            for name in ARCHITECTURE_FIELDS
-            if name in saved and _normalise(name, saved[name]) != _normalise(name, current[name])
-        ]
+        differences = architecture_differences(
+            checkpoint.get("hyper_parameters", {}), asdict(self.config)
+        )
         if differences:
             raise ValueError(
                 "The checkpoint was trained with a different architecture: "
                 + ", ".join(differences)
                 + "; resume with the same model settings or start a new run without ckpt_path."
             )
+
+
+def architecture_differences(saved: dict, current: dict) -> list[str]:
+    """`name=saved (this run: current)` for every architecture setting the two disagree on."""
+    return [
+        f"{name}={saved[name]!r} (this run: {current.get(name)!r})"
+        for name in ARCHITECTURE_FIELDS
+        if name in saved and _normalise(name, saved[name]) != _normalise(name, current.get(name))
+    ]
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
