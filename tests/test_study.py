@@ -29,3 +29,49 @@ def test_depth_study_writes_tables_and_figures_and_resumes(tmp_path):
     assert len(stamps) == 4
     depth_study(recipe=DEBUG, out=str(tmp_path), depths=[1, 2], seeds=[1], extra=extra)
     assert stamps == {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/result.json")}
+
+
+def test_isoflop_study_runs_every_recipe_and_seed_and_aggregates(tmp_path):
+    from nag_lightning.analysis.isoflop_study import isoflop_study
+
+    recipes = [str(Path(__file__).resolve().parents[1] / "recipes" / "isoflop" / f"{name}.yaml")
+               for name in ("nag", "nag_threshold20")]
+    extra = ["--trainer.max_steps=4", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
+             "--model.n_layers=1", "--data.max_bytes=300000", f"--data.cache_dir={tmp_path / 'cache'}"]
+    rows = isoflop_study(recipes=recipes, out=str(tmp_path), seeds=[1, 2], extra=extra)
+    assert [(r["recipe"], r["seeds"]) for r in rows] == [("nag", 2), ("nag_threshold20", 2)]
+    assert rows[0]["executed_fraction"] == 1.0  # the threshold router skips nothing in its warm-up
+    assert rows[1]["router"].startswith("threshold")
+    for row in rows:
+        assert row["bpb_min"] <= row["bpb_mean"] <= row["bpb_max"]
+        assert row["tokens"] == 4 * 8 * 128  # 4 steps of 8 sequences of 128 bytes
+    with (tmp_path / "isoflop.csv").open() as handle:
+        assert len(list(csv.DictReader(handle))) == 4
+    assert "nag_threshold20" in (tmp_path / "isoflop.md").read_text()
+    assert (tmp_path / "isoflop.png").stat().st_size > 10_000
+
+
+def test_tradeoff_study_sweeps_both_residuals_onto_one_plot(tmp_path):
+    from nag_lightning.analysis.tradeoff_study import tradeoff_study
+
+    extra = ["--trainer.max_steps=3", "--trainer.val_check_interval=3",
+             f"--data.cache_dir={tmp_path / 'cache'}"]
+    curves = tradeoff_study(depth=1, seeds=[1], depth_out=str(tmp_path / "depth"), recipe=DEBUG,
+                            out=str(tmp_path / "tradeoff"), val_batches=2, fit_batches=2, extra=extra)
+    assert set(curves) == {("prenorm", 1), ("nag", 1)}
+    for rows in curves.values():
+        assert {r["method"] for r in rows} == {"threshold", "oracle"}
+        assert min(r["mod_rate"] for r in rows) == 0.0 and max(r["mod_rate"] for r in rows) > 0.25
+    table = (tmp_path / "tradeoff" / "tradeoff.md").read_text()
+    assert "| prenorm | 1 |" in table and "| nag | 1 |" in table
+    assert (tmp_path / "tradeoff" / "tradeoff.png").stat().st_size > 10_000
+
+
+def test_cost_at_rate_interpolates_over_the_full_depth_bpb():
+    from nag_lightning.analysis.tradeoff_study import cost_at_rate
+
+    rows = [{"method": "threshold", "mod_rate": rate, "bpb": bpb}
+            for rate, bpb in ((0.0, 3.0), (0.1, 3.1), (0.3, 3.5))]
+    assert abs(cost_at_rate(rows, "threshold", 0.2) - 0.3) < 1e-12
+    assert abs(cost_at_rate(rows, "threshold", 0.1) - 0.1) < 1e-12
+    assert cost_at_rate(rows, "threshold", 0.5) != cost_at_rate(rows, "threshold", 0.5)  # NaN: not reached

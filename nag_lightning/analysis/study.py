@@ -41,31 +41,36 @@ def final_val_bpb(metrics_csv: Path) -> tuple[float, int]:
     return last
 
 
-def run_one(recipe: str, out: Path, residual: str, depth: int, seed: int, extra: list[str]) -> dict:
-    """Train one run in a child process and return its result (cached in result.json)."""
-    name = run_name(residual, depth, seed)
+def fit_run(out: Path, name: str, args: list[str]) -> dict:
+    """Train one run, `nag-lightning fit ARGS`, in a child process logging to `out/name/version_0`,
+    and return its final validation bits per byte, step and wall time (cached in result.json: a
+    finished run is not trained again)."""
     result_path = out / name / "result.json"
     if result_path.is_file():
         return json.loads(result_path.read_text())
-    args = [
-        sys.executable, "-m", "nag_lightning.cli", "fit", "--config", recipe,
-        f"--model.n_layers={depth}", f"--model.residual={residual}", f"--seed_everything={seed}",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-        f"--trainer.logger.save_dir={out}", f"--trainer.logger.name={name}",
-        "--trainer.logger.version=0", *extra,
-    ]
+    logger = {"class_path": "lightning.pytorch.loggers.CSVLogger",
+              "init_args": {"save_dir": str(out), "name": name, "version": 0}}
+    command = [sys.executable, "-m", "nag_lightning.cli", "fit", *args,
+               f"--trainer.logger={json.dumps(logger)}"]
     start = time.time()
     log = out / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as handle:
-        status = subprocess.run(args, stdout=handle, stderr=subprocess.STDOUT).returncode
+        status = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT).returncode
     if status != 0:
         raise RuntimeError(f"The run {name} failed (exit {status}); its output is in {log}.")
     bpb, step = final_val_bpb(out / name / "version_0" / "metrics.csv")
-    result = {"residual": residual, "depth": depth, "seed": seed, "val_bpb": bpb, "step": step,
-              "wall_s": round(time.time() - start, 1)}
+    result = {"val_bpb": bpb, "step": step, "wall_s": round(time.time() - start, 1)}
     result_path.write_text(json.dumps(result))
     return result
+
+
+def run_one(recipe: str, out: Path, residual: str, depth: int, seed: int, extra: list[str]) -> dict:
+    """One point of the depth study (cached like every `fit_run`)."""
+    args = ["--config", recipe, f"--model.n_layers={depth}", f"--model.residual={residual}",
+            f"--seed_everything={seed}", *extra]
+    result = fit_run(out, run_name(residual, depth, seed), args)
+    return {"residual": residual, "depth": depth, "seed": seed, **result}
 
 
 def summarise(results: list[dict], out: Path) -> list[dict]:
@@ -189,12 +194,25 @@ def depth_study(
     return rows
 
 
+STUDIES = {
+    "depth": "nag_lightning.analysis.study:depth_study",
+    "isoflop": "nag_lightning.analysis.isoflop_study:isoflop_study",
+    "tradeoff": "nag_lightning.analysis.tradeoff_study:tradeoff_study",
+}
+
+
 def study_command(args: list[str]) -> None:
-    """`nag-lightning study depth [--depths ...] [--seeds ...]`."""
+    """`nag-lightning study {depth,isoflop,tradeoff} [options]`."""
+    import importlib
+
     from jsonargparse import ArgumentParser
 
-    if not args or args[0] != "depth":
-        raise ValueError("Name the study to run: `nag-lightning study depth --help`.")
-    parser = ArgumentParser(prog="nag-lightning study depth", description=depth_study.__doc__)
-    parser.add_function_arguments(depth_study)
-    depth_study(**parser.parse_args(args[1:]).as_dict())
+    if not args or args[0] not in STUDIES:
+        raise ValueError(
+            f"Name the study to run, one of {', '.join(STUDIES)}: e.g. `nag-lightning study depth --help`."
+        )
+    module, _, name = STUDIES[args[0]].partition(":")
+    function = getattr(importlib.import_module(module), name)
+    parser = ArgumentParser(prog=f"nag-lightning study {args[0]}", description=function.__doc__)
+    parser.add_function_arguments(function)
+    function(**parser.parse_args(args[1:]).as_dict())

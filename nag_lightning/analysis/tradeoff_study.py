@@ -1,0 +1,128 @@
+"""`nag-lightning study tradeoff`: the post-training accuracy/compute curve of prenorm and NAG.
+
+For each residual strategy and seed it takes the depth study's trained run at one depth (training
+it first, in the depth study's folder, if the study has not), runs `nag-lightning sweep` on its
+last checkpoint (threshold probes fitted on the frozen model, then tau swept), and puts every
+curve on one plot. Finished sweeps are cached. It writes, into `--out`:
+
+    tradeoff.csv   every evaluated setting of every model (the rows of each sweep.csv)
+    tradeoff.md    per residual: full-depth bpb and what skipping 10, 20 and 25% costs
+    tradeoff.png   bits per byte against the executed fraction of forward FLOPs, both residuals
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+from nag_lightning.analysis.study import RESIDUALS, run_name, run_one
+from nag_lightning.plotting import pyplot, save
+
+RATES = (0.1, 0.2, 0.25)
+
+
+def sweep_run(ckpt: Path, out: Path, val_batches: int, fit_batches: int) -> list[dict]:
+    """The sweep of one checkpoint, as CSV rows with numbers (cached in out/sweep.csv)."""
+    table = out / "sweep.csv"
+    if not table.is_file():
+        from nag_lightning.analysis.sweep import sweep
+
+        sweep(str(ckpt), out_dir=str(out), val_batches=val_batches, fit_batches=fit_batches)
+    with table.open() as handle:
+        return [{k: (v if k in ("method", "setting") else float(v or "nan")) for k, v in row.items()}
+                for row in csv.DictReader(handle)]
+
+
+def cost_at_rate(rows: list[dict], method: str, rate: float) -> float:
+    """bpb increase over the full-depth model at MoD rate `rate`, interpolated along the sweep."""
+    points = sorted((r["mod_rate"], r["bpb"]) for r in rows if r["method"] == method)
+    dense = min(points)[1]  # the smallest rate swept is 0: tau = 0 skips nothing
+    for (r0, b0), (r1, b1) in zip(points, points[1:]):
+        if r0 <= rate <= r1:
+            return (b0 if r1 == r0 else b0 + (b1 - b0) * (rate - r0) / (r1 - r0)) - dense
+    return float("nan")  # the sweep did not reach this rate
+
+
+def write_tables(curves: dict[tuple[str, int], list[dict]], out: Path) -> None:
+    with (out / "tradeoff.csv").open("w", newline="") as handle:
+        first = next(iter(curves.values()))[0]
+        writer = csv.DictWriter(handle, fieldnames=["residual", "seed", *first])
+        writer.writeheader()
+        for (residual, seed), rows in curves.items():
+            writer.writerows({"residual": residual, "seed": seed, **row} for row in rows)
+    head = " | ".join(f"+bpb at {100 * r:.0f}% ({m})" for r in RATES for m in ("router", "oracle"))
+    lines = [f"| residual | seeds | full-depth bpb | {head} |", "|" + "---|" * (3 + 2 * len(RATES))]
+    for residual in dict.fromkeys(r for r, _ in curves):
+        runs = [rows for (r, _), rows in curves.items() if r == residual]
+        dense = statistics.fmean(min((x["mod_rate"], x["bpb"]) for x in rows)[1] for rows in runs)
+        cells = []
+        for rate in RATES:
+            for method in ("threshold", "oracle"):
+                costs = [cost_at_rate(rows, method, rate) for rows in runs]
+                cells.append(f"{statistics.fmean(costs):+.3f} ({min(costs):+.3f} to {max(costs):+.3f})")
+        lines.append(f"| {residual} | {len(runs)} | {dense:.4f} | " + " | ".join(cells) + " |")
+    (out / "tradeoff.md").write_text("\n".join(lines) + "\n")
+
+
+def plot(curves: dict[tuple[str, int], list[dict]], path: Path, depth: int) -> Path:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = {"prenorm": "tab:gray", "nag": "tab:blue"}
+    labelled = set()
+    for (residual, seed), rows in curves.items():
+        color = colors.get(residual, None)
+        for method, style in (("threshold", "o-"), ("oracle", "s:")):
+            points = sorted((r["executed_fraction"], r["bpb"]) for r in rows if r["method"] == method)
+            label = None if (residual, method) in labelled else (
+                f"{residual}, " + ("threshold router" if method == "threshold" else
+                                   "oracle (measured angle, saves nothing)"))
+            labelled.add((residual, method))
+            ax.plot(*zip(*points), style, color=color, label=label, markersize=4, lw=1.2,
+                    alpha=0.9 if method == "threshold" else 0.6)
+    ax.invert_xaxis()  # left to right: more compute saved
+    ax.set(xlabel="executed fraction of full-depth forward FLOPs", ylabel="validation bits per byte",
+           title=f"Post-training skipping, {depth} blocks (one line per seed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save(fig, path)
+
+
+def tradeoff_study(
+    depth: int = 16,
+    seeds: list[int] = [1, 2],  # noqa: B006 - jsonargparse reads the default as data
+    residuals: list[str] = list(RESIDUALS),  # noqa: B006
+    depth_out: str = "runs/study/depth",
+    recipe: str = "recipes/study/depth.yaml",
+    out: str = "runs/study/tradeoff",
+    val_batches: int = 16,
+    fit_batches: int = 32,
+    extra: list[str] = [],  # noqa: B006
+) -> dict[tuple[str, int], list[dict]]:
+    """Sweep post-training skipping on trained prenorm and NAG models; one plot, one table.
+
+    Args:
+        depth: blocks of the models (a depth of the depth study).
+        seeds: seeds per residual; at least 2 before drawing a conclusion.
+        residuals: residual strategies to compare.
+        depth_out: the depth study's folder, where the trained runs are (or are trained).
+        recipe: the depth study's recipe, to train a missing run.
+        out: folder for the sweeps, table and figure.
+        val_batches: validation batches every setting is evaluated on.
+        fit_batches: training batches the threshold probes are fitted on.
+        extra: further `fit` arguments for a run that has to be trained.
+    """
+    out_dir = Path(out)
+    curves = {}
+    for seed in seeds:
+        for residual in residuals:
+            run_one(recipe, Path(depth_out), residual, depth, seed, extra)
+            name = run_name(residual, depth, seed)
+            ckpt = Path(depth_out) / name / "version_0" / "checkpoints" / "last.ckpt"
+            curves[(residual, seed)] = sweep_run(ckpt, out_dir / name, val_batches, fit_batches)
+            print(json.dumps({"run": name, "points": len(curves[(residual, seed)])}), flush=True)
+    write_tables(curves, out_dir)
+    plot(curves, out_dir / "tradeoff.png", depth)
+    print((out_dir / "tradeoff.md").read_text())
+    return curves
