@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .reference import EPS, RecomputedReference, nag_write_reference
+from .reference import BOUNDS, EPS, RecomputedReference, nag_write_reference
 
-__all__ = ["BACKENDS", "EPS", "nag_write", "nag_write_reference"]
+__all__ = ["BACKENDS", "BOUNDS", "EPS", "nag_write", "nag_write_reference"]
 
 BACKENDS = ("auto", "triton", "torch")
 """auto: the Triton kernel for CUDA tensors of a dtype it takes, else the reference;
@@ -61,6 +61,7 @@ def nag_write(
     theta_max: float,
     gamma_next: torch.Tensor | None = None,
     backend: str = "auto",
+    bound: str = "tanh",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One NAG write: rotate the direction lane u toward f's tangential part, update rho.
 
@@ -74,6 +75,7 @@ def nag_write(
         theta_max: bound on |theta|, a positive float.
         gamma_next: per-channel gain (d,) of the next sublayer's read; None skips h_next.
         backend: one of BACKENDS ("auto", "triton", "torch").
+        bound: how theta is bounded to theta_max, one of BOUNDS ("tanh", "rational").
 
     Returns:
         (u_new, rho_new, theta, h_next): u_new, h_next (None without gamma_next) in u.dtype;
@@ -83,6 +85,8 @@ def nag_write(
         raise ValueError(f"Unknown nag_write backend {backend!r}; valid choices: {', '.join(BACKENDS)}.")
     if not theta_max > 0:
         raise ValueError(f"theta_max must be positive, got {theta_max}.")
+    if bound not in BOUNDS:
+        raise ValueError(f"Unknown bound {bound!r}; valid choices: {', '.join(BOUNDS)}.")
     _check_shapes(u, f, rho, g, gamma_next)
     alpha = _as_scalar(alpha, u, "alpha")
     beta = _as_scalar(beta, u, "beta")
@@ -100,8 +104,10 @@ def nag_write(
     if backend == "torch":
         inputs = (u, f, rho, g, alpha, beta, gamma_next)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-            return RecomputedReference.apply(u, f, rho, g, alpha, beta, float(theta_max), gamma_next)
-        return nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next)
+            return RecomputedReference.apply(u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound)
+        return nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
     if _triton_ops is None:
         raise ImportError("backend='triton' needs the triton package, which is not installed.")
-    return _triton_ops.NagWriteFunction.apply(u, f, rho, g, alpha, beta, float(theta_max), gamma_next)
+    return _triton_ops.NagWriteFunction.apply(
+        u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound
+    )

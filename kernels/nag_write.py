@@ -71,13 +71,16 @@ def _tanh(x):
 
 
 @triton.jit
-def _recompute_row(u, f, g, alpha, inv_sqrt_d, theta_max, eps):
+def _recompute_row(u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL: tl.constexpr):
     """The forward of one row up to the renormalisation; shared by both kernels."""
     a = tl.sum(f * u, axis=0)
     f_perp = f - a * u
     n = tl.sqrt(tl.sum(f_perp * f_perp, axis=0))
     k = g * alpha * inv_sqrt_d
-    theta = theta_max * _tanh(k * n / theta_max)
+    if RATIONAL:
+        theta = theta_max * (k * n) / (theta_max + tl.abs(k * n))
+    else:
+        theta = theta_max * _tanh(k * n / theta_max)
     cos_t = tl.cos(theta)
     sin_t = tl.sin(theta)
     big = n > eps
@@ -95,7 +98,7 @@ def _nag_write_fwd_kernel(
     U, F, RHO, G, ALPHA, BETA, GAMMA,  # inputs
     U_OUT, RHO_OUT, THETA_OUT, H_OUT,  # outputs
     n_cols, inv_sqrt_d, sqrt_d, theta_max, eps,
-    HAS_G: tl.constexpr, HAS_GAMMA: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_GAMMA: tl.constexpr, RATIONAL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
@@ -112,7 +115,7 @@ def _nag_write_fwd_kernel(
     beta = tl.load(BETA).to(tl.float32)
 
     a, f_perp, n, k, theta, cos_t, sin_t, s, raw, norm_u, norm_raw_safe = _recompute_row(
-        u, f, g, alpha, inv_sqrt_d, theta_max, eps
+        u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL
     )
     u_new = raw * (norm_u / norm_raw_safe)
     tl.store(U_OUT + offs, u_new.to(U_OUT.dtype.element_ty), mask=mask)
@@ -131,7 +134,7 @@ def _nag_write_bwd_kernel(
     GU_NEW, GRHO_NEW, GTHETA, GH,  # incoming gradients
     DU, DF, DG, DALPHA, DBETA, DGAMMA,  # DG per row; DALPHA, DBETA, DGAMMA per program
     n_rows, n_cols, rows_per_program, inv_sqrt_d, sqrt_d, theta_max, eps,
-    HAS_G: tl.constexpr, HAS_GAMMA: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_GAMMA: tl.constexpr, RATIONAL: tl.constexpr,
     HAS_GU: tl.constexpr, HAS_GRHO: tl.constexpr, HAS_GTHETA: tl.constexpr, HAS_GH: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
@@ -158,7 +161,7 @@ def _nag_write_bwd_kernel(
         else:
             g = 1.0
         a, f_perp, n, k, theta, cos_t, sin_t, s, raw, norm_u, norm_raw_safe = _recompute_row(
-            u, f, g, alpha, inv_sqrt_d, theta_max, eps
+            u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL
         )
         r = norm_u / norm_raw_safe
 
@@ -185,7 +188,8 @@ def _nag_write_bwd_kernel(
         g_fperp = s * g_raw
         du += cos_t * g_raw
 
-        # s = sin(theta) / n if n > eps else k; theta = theta_max tanh(k n / theta_max).
+        # s = sin(theta) / n if n > eps else k; theta = bound(k n), with dtheta/d(kn) =
+        # 1 - tanh^2 (tanh) or (1 - |theta| / theta_max)^2 (rational).
         big = n > eps
         n_safe = tl.where(big, n, 1.0)
         g_theta = -sin_t * g_cos + tl.where(big, cos_t / n_safe * g_s, 0.0)
@@ -193,8 +197,11 @@ def _nag_write_bwd_kernel(
             g_theta += tl.load(GTHETA + row).to(tl.float32)
         g_k = tl.where(big, 0.0, g_s)
         g_n = tl.where(big, -sin_t / (n_safe * n_safe) * g_s, 0.0)
-        tanh_t = theta / theta_max
-        g_traw = g_theta * (1.0 - tanh_t * tanh_t)
+        t = theta / theta_max
+        if RATIONAL:
+            g_traw = g_theta * (1.0 - tl.abs(t)) * (1.0 - tl.abs(t))
+        else:
+            g_traw = g_theta * (1.0 - t * t)
         g_k += g_traw * n
         g_n += g_traw * k
 
@@ -244,7 +251,7 @@ def _check_kernel_inputs(u, f, rho, g, alpha, beta, gamma_next) -> None:
         )
 
 
-def nag_write_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next):
+def nag_write_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound="tanh"):
     """Launch the forward. Returns the outputs (in the input shapes) and the 2-D tensors to save."""
     _check_kernel_inputs(u, f, rho, g, alpha, beta, gamma_next)
     shape = u.shape
@@ -267,7 +274,7 @@ def nag_write_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next):
             u2, f2, rho1, g1, alpha, beta, gamma,
             u_new, rho_new, theta, h_next,
             d, 1.0 / math.sqrt(d), math.sqrt(d), float(theta_max), EPS,
-            HAS_G=g1 is not None, HAS_GAMMA=gamma is not None,
+            HAS_G=g1 is not None, HAS_GAMMA=gamma is not None, RATIONAL=bound == "rational",
             BLOCK_SIZE=block_size, num_warps=num_warps,
         )  # fmt: skip
     outs = (
@@ -286,7 +293,7 @@ def _num_programs(n_rows: int, device: torch.device) -> int:
     return max(1, min(n_rows, 4))  # the interpreter: few programs, several rows each
 
 
-def nag_write_backward(saved, theta_max, grads):
+def nag_write_backward(saved, theta_max, grads, bound="tanh"):
     """Launch the backward. Returns 2-D/1-D gradients for (u, f, g, alpha, beta, gamma_next)."""
     u2, f2, g1, alpha, beta, gamma = saved
     gu, grho, gtheta, gh = grads
@@ -312,7 +319,7 @@ def nag_write_backward(saved, theta_max, grads):
             gu, grho, gtheta, gh,
             du, df, dg, dalpha, dbeta, dgamma,
             n_rows, d, rows_per_program, 1.0 / math.sqrt(d), math.sqrt(d), float(theta_max), EPS,
-            HAS_G=g1 is not None, HAS_GAMMA=gamma is not None,
+            HAS_G=g1 is not None, HAS_GAMMA=gamma is not None, RATIONAL=bound == "rational",
             HAS_GU=gu is not None, HAS_GRHO=grho is not None,
             HAS_GTHETA=gtheta is not None, HAS_GH=gh is not None,
             BLOCK_SIZE=block_size, num_warps=num_warps,
@@ -328,10 +335,10 @@ class NagWriteFunction(torch.autograd.Function):
     """autograd.Function over the fused kernels; see `nag_kernels.nag_write` for the arguments."""
 
     @staticmethod
-    def forward(ctx, u, f, rho, g, alpha, beta, theta_max, gamma_next):
-        outs, saved = nag_write_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next)
+    def forward(ctx, u, f, rho, g, alpha, beta, theta_max, gamma_next, bound):
+        outs, saved = nag_write_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
         ctx.save_for_backward(*saved)
-        ctx.theta_max = theta_max
+        ctx.theta_max, ctx.bound = theta_max, bound
         ctx.shapes = (u.shape, f.shape, None if g is None else g.shape)
         ctx.rho_dtype = rho.dtype
         # Unused outputs (theta, usually) get no gradient tensor; the kernel skips their loads.
@@ -341,12 +348,12 @@ class NagWriteFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gu, grho, gtheta, gh):
         if all(t is None for t in (gu, grho, gtheta, gh)):
-            return (None,) * 8
+            return (None,) * 9
         u_shape, f_shape, g_shape = ctx.shapes
         du, df, dg, dalpha, dbeta, dgamma = nag_write_backward(
-            ctx.saved_tensors, ctx.theta_max, (gu, grho, gtheta, gh)
+            ctx.saved_tensors, ctx.theta_max, (gu, grho, gtheta, gh), ctx.bound
         )
         # rho' = rho + (terms without rho): its gradient passes straight through.
         drho = None if grho is None else grho.to(ctx.rho_dtype)
         dg = None if dg is None else dg.view(g_shape)
-        return du.view(u_shape), df.view(f_shape), drho, dg, dalpha, dbeta, None, dgamma
+        return du.view(u_shape), df.view(f_shape), drho, dg, dalpha, dbeta, None, dgamma, None

@@ -9,7 +9,9 @@ lane::
 
     a       = <f, u>                      radial part of the update
     f_perp  = f - a u                     tangential part, n = ||f_perp||
-    theta   = theta_max * tanh(g * alpha * n / sqrt(d) / theta_max)   bounded rotation angle
+    x       = g * alpha * n / sqrt(d)     unbounded rotation angle
+    theta   = theta_max * tanh(x / theta_max)          bound "tanh", or
+              theta_max * x / (theta_max + |x|)        bound "rational"
     s       = sin(theta) / n              (limit g * alpha / sqrt(d) when n <= EPS)
     raw     = cos(theta) u + s f_perp
     u'      = raw * ||u|| / ||raw||       renormalised: ||u'|| = ||u|| to rounding, for any f
@@ -30,6 +32,21 @@ import torch
 EPS = 1e-6
 """Below this tangential norm `n`, `sin(theta) / n` is replaced by its limit `g * alpha / sqrt(d)`."""
 
+BOUNDS = ("tanh", "rational")
+"""How the angle is bounded to (-theta_max, theta_max). Both have slope 1 at 0. tanh saturates
+exponentially: past |x| ~ 3 theta_max its gradient is ~0 and a sublayer can no longer learn
+per-token angles. rational, x / (1 + |x| / theta_max), approaches the bound like 1/x, so its
+gradient, (1 - |theta| / theta_max)^2, decays only polynomially."""
+
+
+def bound_angle(x: torch.Tensor, theta_max: float, bound: str) -> torch.Tensor:
+    """The bounded angle of an unbounded one, `x`, by `bound` (one of BOUNDS)."""
+    if bound == "tanh":
+        return theta_max * torch.tanh(x / theta_max)
+    if bound == "rational":
+        return theta_max * x / (theta_max + x.abs())
+    raise ValueError(f"bound must be one of {BOUNDS}; got {bound!r}.")
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # fp32 for fp32/bf16/fp16 inputs; fp64 stays fp64 so gradcheck can run on the reference.
@@ -45,6 +62,7 @@ def nag_write_reference(
     beta: torch.Tensor,
     theta_max: float,
     gamma_next: torch.Tensor | None = None,
+    bound: str = "tanh",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One NAG write, in plain PyTorch.
 
@@ -57,6 +75,7 @@ def nag_write_reference(
         beta: 0-dim tensor, the sublayer's log-norm gain.
         theta_max: bound on |theta|, a positive float (pi / 2 in DESIGN.md).
         gamma_next: per-channel gain of the next read, shape (d,); None skips h_next.
+        bound: how theta is bounded, one of BOUNDS.
 
     Returns:
         (u_new, rho_new, theta, h_next): u_new and h_next in u.dtype, rho_new and theta
@@ -74,7 +93,7 @@ def nag_write_reference(
     a = (f32 * u32).sum(-1)  # (...,)
     f_perp = f32 - a[..., None] * u32  # (..., d)
     n = torch.linalg.vector_norm(f_perp, dim=-1)  # (...,)
-    theta = theta_max * torch.tanh(k * n / theta_max)
+    theta = bound_angle(k * n, theta_max, bound)
 
     # Divide by n only where it is safe; the where() on n itself keeps NaN out of the gradients.
     small = n <= EPS
@@ -105,11 +124,11 @@ class RecomputedReference(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, u, f, rho, g, alpha, beta, theta_max, gamma_next):
-        ctx.theta_max = theta_max
+    def forward(ctx, u, f, rho, g, alpha, beta, theta_max, gamma_next, bound):
+        ctx.theta_max, ctx.bound = theta_max, bound
         ctx.set_materialize_grads(False)  # outputs that do not reach the loss give None, not zeros
         ctx.save_for_backward(u, f, rho, g, alpha, beta, gamma_next)
-        return nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next)
+        return nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -120,13 +139,13 @@ class RecomputedReference(torch.autograd.Function):
         ]
         u, f, rho, g, alpha, beta, gamma_next = inputs
         with torch.enable_grad():
-            outputs = nag_write_reference(u, f, rho, g, alpha, beta, ctx.theta_max, gamma_next)
+            outputs = nag_write_reference(u, f, rho, g, alpha, beta, ctx.theta_max, gamma_next, ctx.bound)
         pairs = [(o, go) for o, go in zip(outputs, grads) if o is not None and go is not None]
         if not pairs:
-            return (None,) * 8
+            return (None,) * 9
         wanted = [t for t in inputs if t is not None and t.requires_grad]
         computed = iter(torch.autograd.grad(
             [o for o, _ in pairs], wanted, [go for _, go in pairs], allow_unused=True
         ))
         result = [next(computed) if t is not None and t.requires_grad else None for t in inputs]
-        return (*result[:6], None, result[6])
+        return (*result[:6], None, result[6], None)

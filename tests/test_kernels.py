@@ -157,6 +157,18 @@ def test_kernel_matches_reference(lead, d, gamma, gate, alpha, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("lead,d,gamma,gate,alpha", [SHAPES[0], SHAPES[2]], ids=lambda v: str(v))
+def test_kernel_matches_reference_with_rational_bound(lead, d, gamma, gate, alpha, dtype):
+    inputs = make_inputs(lead if dtype == torch.float32 else (2, 3), d, dtype, gamma=gamma, gate=gate,
+                         alpha=alpha)
+    outs, grads = compare_to_reference({**inputs, "bound": "rational"}, dtype)
+    tanh_theta = nag_write_reference(**inputs)[2]
+    assert not torch.allclose(outs[2].float(), tanh_theta.float())  # the bound really changed
+    assert grads["alpha"].abs() > 0 and grads["f"].abs().max() > 0
+
+
+@needs_kernel
 @pytest.mark.parametrize("use", [(0,), (1,), (2,), (3,), (0, 2)], ids=["u", "rho", "theta", "h", "u+theta"])
 def test_kernel_gradients_with_unused_outputs(use):
     """Outputs that do not reach the loss get no gradient tensor; the kernel skips them."""
@@ -240,11 +252,12 @@ def test_zero_gate_is_exact_identity(dtype):
         torch.testing.assert_close(h, h_want, **TOLS[dtype])
 
 
+@pytest.mark.parametrize("bound", nag_kernels.BOUNDS)
 @pytest.mark.parametrize("kind", ["zero", "parallel", "huge", "generic"])
-def test_invariants(kind):
+def test_invariants(kind, bound):
     """||u'|| = 1, acos(<u, u'>) = |theta|, |theta| <= theta_max, theta independent of rho."""
     d = 64
-    inputs = make_inputs((5,), d, torch.float32)
+    inputs = {**make_inputs((5,), d, torch.float32), "bound": bound}
     u = inputs["u"]
     if kind == "zero":
         inputs["f"] = torch.zeros_like(u)
@@ -319,14 +332,15 @@ def gradcheck_inputs(f_kind):
     return x
 
 
+@pytest.mark.parametrize("bound", nag_kernels.BOUNDS)
 @pytest.mark.parametrize("f_kind", ["generic", "small_n", "below_eps"])
-def test_reference_gradcheck(f_kind):
+def test_reference_gradcheck(f_kind, bound):
     x = gradcheck_inputs(f_kind)
     names = ["u", "f", "rho", "g", "alpha", "beta", "gamma_next"]
     args = tuple(x[k].clone().requires_grad_(True) for k in names)
 
     def fn(u, f, rho, g, alpha, beta, gamma_next):
-        return nag_write_reference(u, f, rho, g, alpha, beta, THETA_MAX, gamma_next)
+        return nag_write_reference(u, f, rho, g, alpha, beta, THETA_MAX, gamma_next, bound)
 
     # Finite differences must not cross n = EPS: below it, step well under n.
     eps = 1e-10 if f_kind == "below_eps" else 1e-6
@@ -375,6 +389,8 @@ def test_shape_errors():
         nag_write(**dict(x, gamma_next=torch.ones(5)))
     with pytest.raises(ValueError, match="theta_max must be positive"):
         nag_write(**dict(x, theta_max=0.0))
+    with pytest.raises(ValueError, match="Unknown bound 'atan'; valid choices: tanh, rational"):
+        nag_write(**x, bound="atan")
 
 
 @needs_kernel

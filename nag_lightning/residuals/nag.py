@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from nag_kernels import BACKENDS, nag_write
+from nag_kernels import BACKENDS, BOUNDS, nag_write
 from nag_lightning.residuals import RESIDUALS, ResidualStrategy, State
 
 
@@ -42,6 +42,8 @@ class NAGResidual(ResidualStrategy):
         beta_init: initial scale of the radial (log-norm) update of every sublayer.
         norm_lane_readout: multiply the logits by exp(clamp(rho, -4, 4)), so the norm lane acts as
             a per-token inverse temperature.
+        bound: how the angle approaches theta_max: "tanh" (saturates exponentially) or
+            "rational" (x / (1 + |x| / theta_max), whose gradient decays only like 1/x^2).
         kernel: "auto" (Triton on CUDA tensors, PyTorch elsewhere), "triton" or "torch".
     """
 
@@ -53,17 +55,21 @@ class NAGResidual(ResidualStrategy):
         alpha_init: float | None = None,
         beta_init: float = 0.0,
         norm_lane_readout: bool = False,
+        bound: str = "tanh",
         kernel: str = "auto",
     ) -> None:
         super().__init__(d_model, n_sublayers)
         theta_max = 2.0 / n_sublayers if theta_max is None else theta_max
         if not 0 < theta_max <= math.pi:
             raise ValueError(f"theta_max must be in (0, pi] radians; got {theta_max}.")
+        if bound not in BOUNDS:
+            raise ValueError(f"bound must be one of {BOUNDS}; got {bound!r}.")
         if kernel not in BACKENDS:
             raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
         self.theta_max = theta_max
         self.norm_lane_readout = norm_lane_readout
         self.kernel = kernel
+        self.bound = bound
         alpha_init = 1 / math.sqrt(n_sublayers) if alpha_init is None else alpha_init
         self.gamma = nn.Parameter(torch.ones(n_sublayers, d_model))
         self.gamma_out = nn.Parameter(torch.ones(d_model))
@@ -85,7 +91,7 @@ class NAGResidual(ResidualStrategy):
         u, rho = state
         u_new, rho_new, theta, _ = nag_write(
             u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max,
-            backend=self.kernel,
+            backend=self.kernel, bound=self.bound,
         )
         return (u_new, rho_new), theta.detach().abs()
 
