@@ -71,7 +71,7 @@ def plot(curves: dict[tuple[str, int], list[dict]], path: Path, depth: int) -> P
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = {"prenorm": "tab:gray", "nag": "tab:blue"}
     labelled = set()
-    for (residual, seed), rows in curves.items():
+    for (residual, _), rows in curves.items():
         color = colors.get(residual, None)
         for method, style in (("threshold", "o-"), ("oracle", "s:")):
             points = sorted((r["executed_fraction"], r["bpb"]) for r in rows if r["method"] == method)
