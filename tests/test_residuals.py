@@ -92,7 +92,7 @@ def test_nag_init_and_readout_recover_the_embedding_norm():
     features, scale = strategy.final((u, rho))
     torch.testing.assert_close(features.norm(dim=-1), torch.full((ROWS,), math.sqrt(D)))
     torch.testing.assert_close(scale.squeeze(-1), torch.exp(rho.clamp(-4, 4)))
-    assert nag().final((u, rho))[1] is None  # the switch turns the norm lane off at readout
+    assert nag(norm_lane_readout=False).final((u, rho))[1] is None  # the switch turns it off
 
 
 def test_prenorm_contribution_shrinks_as_the_state_grows():
@@ -122,3 +122,29 @@ def test_nag_rejects_bad_options():
         nag(theta_max=0.0)
     with pytest.raises(ValueError, match="kernel must be one of"):
         nag(kernel="cuda")
+
+
+def test_nag_defaults_scale_the_bound_with_depth_and_read_the_norm_lane():
+    strategy = nag()  # 8 sublayers
+    assert strategy.theta_max == 4 / 8 and strategy.norm_lane_readout and strategy.bound == "tanh"
+
+
+def test_nag_checkpoint_carries_its_settings():
+    """A state dict loads with the settings it was trained under, whatever the new model's."""
+    trained = nag(theta_max=0.3, norm_lane_readout=False, bound="rational")
+    loaded = nag()
+    loaded.load_state_dict(trained.state_dict())
+    assert (loaded.theta_max, loaded.norm_lane_readout, loaded.bound) == (0.3, False, "rational")
+    with pytest.raises(ValueError, match="trained with theta_max=0.3; this model was given theta_max=0.5"):
+        nag(theta_max=0.5).load_state_dict(trained.state_dict())
+
+
+def test_nag_checkpoint_without_settings_gets_the_defaults_of_its_time():
+    """State dicts from before the settings were saved: theta_max 2/N and no readout, unless given."""
+    old = {k: v for k, v in nag().state_dict().items() if k != "_extra_state"}
+    loaded = nag()
+    loaded.load_state_dict(old)
+    assert (loaded.theta_max, loaded.norm_lane_readout) == (2 / 8, False)
+    given = nag(theta_max=1.0, norm_lane_readout=True)
+    given.load_state_dict(old)
+    assert (given.theta_max, given.norm_lane_readout) == (1.0, True)

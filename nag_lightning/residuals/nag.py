@@ -33,15 +33,16 @@ class NAGResidual(ResidualStrategy):
         d_model: width of the residual stream.
         n_sublayers: number of sublayers that read and write the stream.
         theta_max: bound on the angle one sublayer may turn a token by, in radians; None means
-            2 / n_sublayers. Rotations toward a direction shared by many tokens add up linearly
+            4 / n_sublayers. Rotations toward a direction shared by many tokens add up linearly
             over depth and shrink what tells tokens apart by cos(theta) per sublayer, so the bound
             must fall like 1/depth: with pi/2 (width 64, 8 or 16 blocks) every token collapsed
-            onto one direction within three blocks and training stalled at unigram loss
-            (docs/results.md).
+            onto one direction within three blocks and training stalled at unigram loss. 4/N
+            with the norm lane at readout beat 2/N and 8/N (docs/results.md).
         alpha_init: initial rotation scale of every sublayer; None means 1/sqrt(n_sublayers).
         beta_init: initial scale of the radial (log-norm) update of every sublayer.
         norm_lane_readout: multiply the logits by exp(clamp(rho, -4, 4)), so the norm lane acts as
-            a per-token inverse temperature.
+            a per-token inverse temperature; None means on. Without it nothing reads rho, beta
+            gets no gradient, and with theta_max = 4/N training first stalls at unigram loss.
         bound: how the angle approaches theta_max: "tanh" (saturates exponentially) or
             "rational" (x / (1 + |x| / theta_max), whose gradient decays only like 1/x^2).
         kernel: "auto" (Triton on CUDA tensors, PyTorch elsewhere), "triton" or "torch".
@@ -54,12 +55,17 @@ class NAGResidual(ResidualStrategy):
         theta_max: float | None = None,
         alpha_init: float | None = None,
         beta_init: float = 0.0,
-        norm_lane_readout: bool = False,
+        norm_lane_readout: bool | None = None,
         bound: str = "tanh",
         kernel: str = "auto",
     ) -> None:
         super().__init__(d_model, n_sublayers)
-        theta_max = 2.0 / n_sublayers if theta_max is None else theta_max
+        # Which settings were given, not defaulted: a checkpoint written before the settings were
+        # saved in it (see _load_from_state_dict) was trained under the defaults of that time.
+        self._given = {"theta_max": theta_max is not None, "norm_lane_readout": norm_lane_readout is not None,
+                       "bound": bound != "tanh"}
+        theta_max = 4.0 / n_sublayers if theta_max is None else theta_max
+        norm_lane_readout = True if norm_lane_readout is None else norm_lane_readout
         if not 0 < theta_max <= math.pi:
             raise ValueError(f"theta_max must be in (0, pi] radians; got {theta_max}.")
         if bound not in BOUNDS:
@@ -75,6 +81,32 @@ class NAGResidual(ResidualStrategy):
         self.gamma_out = nn.Parameter(torch.ones(d_model))
         self.alpha = nn.Parameter(torch.full((n_sublayers,), float(alpha_init)))
         self.beta = nn.Parameter(torch.full((n_sublayers,), float(beta_init)))
+
+    # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
+    # was trained under even after a default changes.
+    def get_extra_state(self) -> dict:
+        return {"theta_max": self.theta_max, "norm_lane_readout": self.norm_lane_readout, "bound": self.bound}
+
+    def set_extra_state(self, state: dict) -> None:
+        for name, value in state.items():
+            if self._given.get(name) and value != getattr(self, name):
+                raise ValueError(
+                    f"The checkpoint was trained with {name}={value}; this model was given "
+                    f"{name}={getattr(self, name)}: drop the option or give the checkpoint's value."
+                )
+        self.theta_max = float(state["theta_max"])
+        self.norm_lane_readout = bool(state["norm_lane_readout"])
+        self.bound = str(state["bound"])
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
+        key = prefix + "_extra_state"
+        if key not in state_dict:  # saved before the settings were: the defaults of that time
+            state_dict[key] = {
+                "theta_max": self.theta_max if self._given["theta_max"] else 2.0 / self.n_sublayers,
+                "norm_lane_readout": self.norm_lane_readout if self._given["norm_lane_readout"] else False,
+                "bound": self.bound,
+            }
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def init_state(self, embedding: Tensor) -> State:
         e = embedding.float()
