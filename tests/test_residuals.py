@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +149,16 @@ def test_nag_checkpoint_without_settings_gets_the_defaults_of_its_time():
     given = nag(theta_max=1.0, norm_lane_readout=True)
     given.load_state_dict(old)
     assert (given.theta_max, given.norm_lane_readout) == (1.0, True)
+
+
+@pytest.mark.parametrize("name", ["AtanBoundNAG", "LearnedBoundNAG"])
+def test_bound_variants_of_the_experiments_folder_load_by_dotted_path(name, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))
+    strategy = build_residual(f"nag_bound_variants.{name}", D, n_sublayers=8, theta_max=0.2)
+    u, rho = strategy.init_state(torch.randn(ROWS, D))
+    f = torch.randn(ROWS, D, requires_grad=True)
+    (u_new, _), theta = strategy.write((u, rho), f, None, 3)
+    torch.testing.assert_close(u_new.norm(dim=-1), torch.ones(ROWS))
+    assert (theta > 0).all() and (theta < 0.2).all()
+    u_new.sum().backward()
+    assert strategy.alpha.grad[3] != 0
