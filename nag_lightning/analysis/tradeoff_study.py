@@ -67,25 +67,35 @@ def write_tables(curves: dict[tuple[str, int], list[dict]], out: Path) -> None:
 
 
 def plot(curves: dict[tuple[str, int], list[dict]], path: Path, depth: int) -> Path:
+    """Left: bits per byte against the executed fraction of forward FLOPs. Right: the increase
+    over the same model at full depth against the MoD rate. One line per model and method."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, (ax_abs, ax_cost) = plt.subplots(1, 2, figsize=(13, 4.8))
     colors = {"prenorm": "tab:gray", "nag": "tab:blue"}
     labelled = set()
     for (residual, _), rows in curves.items():
         color = colors.get(residual, None)
+        dense = min((r["mod_rate"], r["bpb"]) for r in rows)[1]
         for method, style in (("threshold", "o-"), ("oracle", "s:")):
-            points = sorted((r["executed_fraction"], r["bpb"]) for r in rows if r["method"] == method)
+            # Past a 70% MoD rate nothing useful is left to compare, and it squashes the axes.
+            points = sorted((r["executed_fraction"], r["mod_rate"], r["bpb"]) for r in rows
+                            if r["method"] == method and r["mod_rate"] <= 0.7)
             label = None if (residual, method) in labelled else (
                 f"{residual}, " + ("threshold router" if method == "threshold" else
-                                   "oracle (measured angle, saves nothing)"))
+                                   "oracle (skips on the measured angle; saves nothing)"))
             labelled.add((residual, method))
-            ax.plot(*zip(*points), style, color=color, label=label, markersize=4, lw=1.2,
-                    alpha=0.9 if method == "threshold" else 0.6)
-    ax.invert_xaxis()  # left to right: more compute saved
-    ax.set(xlabel="executed fraction of full-depth forward FLOPs", ylabel="validation bits per byte",
-           title=f"Post-training skipping, {depth} blocks (one line per seed)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+            fraction, rate, bpb = zip(*points)
+            style_args = dict(color=color, markersize=4, lw=1.2, alpha=0.9 if method == "threshold" else 0.6)
+            ax_abs.plot(fraction, bpb, style, label=label, **style_args)
+            ax_cost.plot(rate, [b - dense for b in bpb], style, **style_args)
+    ax_abs.invert_xaxis()  # left to right: more compute saved
+    ax_abs.set(xlabel="executed fraction of full-depth forward FLOPs", ylabel="validation bits per byte",
+               title=f"Post-training skipping, {depth} blocks (one line per seed)")
+    ax_cost.set(xlabel="MoD rate (skipped sublayer executions)", ylabel="bits per byte over full depth",
+                title="What skipping costs")
+    for ax in (ax_abs, ax_cost):
+        ax.grid(alpha=0.3)
+    ax_abs.legend(fontsize=8)
     return save(fig, path)
 
 
