@@ -90,6 +90,7 @@ def plot(results: list[dict], rows: list[dict], path: Path) -> Path:
     ax_final.set(ylabel="final validation bits per byte",
                  title="Final val bpb per recipe (dots: seeds, bar: mean)")
     ax_final.grid(alpha=0.3, axis="y")
+    ax_final.margins(y=0.15)  # room for the token labels above the highest seed
     return save(fig, path)
 
 
