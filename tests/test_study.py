@@ -75,3 +75,14 @@ def test_cost_at_rate_interpolates_over_the_full_depth_bpb():
     assert abs(cost_at_rate(rows, "threshold", 0.2) - 0.3) < 1e-12
     assert abs(cost_at_rate(rows, "threshold", 0.1) - 0.1) < 1e-12
     assert cost_at_rate(rows, "threshold", 0.5) != cost_at_rate(rows, "threshold", 0.5)  # NaN: not reached
+
+
+def test_paired_gains_match_runs_of_the_same_depth_and_seed():
+    from nag_lightning.analysis.study import paired_gains
+
+    results = [{"residual": r, "depth": d, "seed": s, "val_bpb": v} for r, d, s, v in (
+        ("prenorm", 4, 1, 3.0), ("nag", 4, 1, 2.9), ("prenorm", 4, 2, 3.2), ("nag", 4, 2, 3.3),
+        ("nag", 8, 1, 2.5))]  # no prenorm partner at depth 8: left out
+    gains = paired_gains(results)
+    assert [d for d, _ in gains] == [4, 4]
+    assert [round(g, 6) for _, g in gains] == [0.1, -0.1]

@@ -88,7 +88,7 @@ def summarise(results: list[dict], out: Path) -> list[dict]:
             row["nag_gain"] = row["prenorm_mean"] - row["nag_mean"]
         rows.append(row)
     write_tables(results, rows, out)
-    plot_depth_study(rows, out / "depth.png")
+    plot_depth_study(rows, out / "depth.png", results)
     return rows
 
 
@@ -113,7 +113,15 @@ def write_tables(results: list[dict], rows: list[dict], out: Path) -> None:
     (out / "depth.md").write_text("\n".join(lines) + "\n")
 
 
-def plot_depth_study(rows: list[dict], path: Path) -> None:
+def paired_gains(results: list[dict]) -> list[tuple[int, float]]:
+    """(depth, prenorm bpb - NAG bpb) for every depth and seed that has both runs."""
+    bpb = {(r["residual"], r["depth"], r["seed"]): r["val_bpb"] for r in results}
+    return [(depth, bpb[("prenorm", depth, seed)] - value)
+            for (residual, depth, seed), value in sorted(bpb.items())
+            if residual == "nag" and ("prenorm", depth, seed) in bpb]
+
+
+def plot_depth_study(rows: list[dict], path: Path, results: list[dict] | None = None) -> None:
     plt = pyplot()
 
     fig, (ax_bpb, ax_gain) = plt.subplots(1, 2, figsize=(10, 4))
@@ -125,7 +133,12 @@ def plot_depth_study(rows: list[dict], path: Path) -> None:
                             [r[f"{residual}_max"] for r in done], color=color, alpha=0.2)
     gains = [r for r in rows if "nag_gain" in r]
     ax_gain.axhline(0, color="black", lw=0.8)
-    ax_gain.plot([r["depth"] for r in gains], [r["nag_gain"] for r in gains], "o-", color="tab:blue")
+    ax_gain.plot([r["depth"] for r in gains], [r["nag_gain"] for r in gains], "o-", color="tab:blue",
+                 label="mean over seeds")
+    seeds = paired_gains(results or [])
+    if seeds:
+        ax_gain.plot(*zip(*seeds), "x", color="tab:blue", alpha=0.6, label="one seed (paired)")
+        ax_gain.legend(fontsize=8)
     for ax in (ax_bpb, ax_gain):
         ax.set_xscale("log", base=2)
         ax.set_xticks([r["depth"] for r in rows], [str(r["depth"]) for r in rows])
