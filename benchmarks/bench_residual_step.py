@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import time
 
@@ -29,7 +30,7 @@ def build(residual: str, args: argparse.Namespace) -> tuple[Transformer, torch.o
     cfg = TransformerConfig(
         d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, seq_len=args.seq_len,
         residual=residual,
-        residual_options={"kernel": args.kernel} if residual == "nag" else {},
+        residual_options={"kernel": args.kernel, **json.loads(args.nag_options)} if residual == "nag" else {},
     )
     model = Transformer(cfg).to(args.device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -92,6 +93,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
     parser.add_argument("--kernel", choices=("auto", "triton", "torch"), default="auto")
+    parser.add_argument("--nag-options", default="{}",
+                        help='further NAG options as JSON, e.g. \'{"norm_lane_readout": false}\'')
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
