@@ -86,3 +86,12 @@ def test_paired_gains_match_runs_of_the_same_depth_and_seed():
     gains = paired_gains(results)
     assert [d for d, _ in gains] == [4, 4]
     assert [round(g, 6) for _, g in gains] == [0.1, -0.1]
+
+
+def test_a_missing_recipe_is_one_sentence_before_any_run(tmp_path, monkeypatch):
+    import pytest
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="No recipe at recipes/study/depth.yaml .* repository root"):
+        depth_study(out=str(tmp_path / "out"), depths=[1], seeds=[1])
+    assert not (tmp_path / "out").exists()

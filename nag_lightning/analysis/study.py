@@ -65,8 +65,18 @@ def fit_run(out: Path, name: str, args: list[str]) -> dict:
     return result
 
 
+def check_recipe(recipe: str) -> None:
+    if not Path(recipe).is_file():
+        raise FileNotFoundError(
+            f"No recipe at {recipe} (relative paths start at {Path.cwd()}); run from the repository "
+            "root or give --recipe the path of a fit YAML file."
+        )
+
+
 def run_one(recipe: str, out: Path, residual: str, depth: int, seed: int, extra: list[str]) -> dict:
     """One point of the depth study (cached like every `fit_run`)."""
+    if not (out / run_name(residual, depth, seed) / "result.json").is_file():
+        check_recipe(recipe)  # a cached run needs no recipe
     args = ["--config", recipe, f"--model.n_layers={depth}", f"--model.residual={residual}",
             f"--seed_everything={seed}", *extra]
     result = fit_run(out, run_name(residual, depth, seed), args)
@@ -193,6 +203,7 @@ def depth_study(
         residuals: residual strategies to compare.
         extra: further `fit` arguments passed to every run, e.g. ["--trainer.max_steps=100"].
     """
+    check_recipe(recipe)
     out_dir = Path(out)
     results = []
     for seed in seeds:  # seed-major: a partial study already has one seed of every point
