@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from nag_lightning.analysis.compare import COLUMNS, summarize
-from nag_lightning.analysis.study import fit_run
+from nag_lightning.analysis.study import check_recipe, fit_run
 from nag_lightning.plotting import pyplot, save
 
 DEFAULT_RECIPES = ["prenorm", "nag", "nag_threshold20", "nag_threshold25", "nag_topk20", "nag_topk25"]
@@ -109,10 +109,9 @@ def isoflop_study(
         seeds: seeds per recipe; at least 2 before drawing a conclusion.
         extra: further `fit` arguments passed to every run, e.g. ["--trainer.max_steps=100"].
     """
+    for recipe in recipes:
+        check_recipe(recipe)
     paths = [Path(r) for r in recipes]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"No recipe at {', '.join(missing)}; give paths of fit YAML files.")
     out_dir = Path(out)
     results = []
     for seed in seeds:  # seed-major: a partial study already has one seed of every recipe

@@ -69,17 +69,18 @@ def check_recipe(recipe: str) -> None:
     if not Path(recipe).is_file():
         raise FileNotFoundError(
             f"No recipe at {recipe} (relative paths start at {Path.cwd()}); run from the repository "
-            "root or give --recipe the path of a fit YAML file."
+            "root or give the path of a fit YAML file."
         )
 
 
 def run_one(recipe: str, out: Path, residual: str, depth: int, seed: int, extra: list[str]) -> dict:
     """One point of the depth study (cached like every `fit_run`)."""
-    if not (out / run_name(residual, depth, seed) / "result.json").is_file():
+    name = run_name(residual, depth, seed)
+    if not (out / name / "result.json").is_file():
         check_recipe(recipe)  # a cached run needs no recipe
     args = ["--config", recipe, f"--model.n_layers={depth}", f"--model.residual={residual}",
             f"--seed_everything={seed}", *extra]
-    result = fit_run(out, run_name(residual, depth, seed), args)
+    result = fit_run(out, name, args)
     return {"residual": residual, "depth": depth, "seed": seed, **result}
 
 

@@ -35,10 +35,15 @@ def sweep_run(ckpt: Path, out: Path, val_batches: int, fit_batches: int) -> list
                 for row in csv.DictReader(handle)]
 
 
+def full_depth_bpb(rows: list[dict]) -> float:
+    """The bpb at the smallest MoD rate swept, 0: tau = 0 skips nothing."""
+    return min((r["mod_rate"], r["bpb"]) for r in rows)[1]
+
+
 def cost_at_rate(rows: list[dict], method: str, rate: float) -> float:
     """bpb increase over the full-depth model at MoD rate `rate`, interpolated along the sweep."""
     points = sorted((r["mod_rate"], r["bpb"]) for r in rows if r["method"] == method)
-    dense = min(points)[1]  # the smallest rate swept is 0: tau = 0 skips nothing
+    dense = points[0][1]  # sorted: the smallest rate swept, 0, where tau = 0 skips nothing
     for (r0, b0), (r1, b1) in zip(points, points[1:]):
         if r0 <= rate <= r1:
             return (b0 if r1 == r0 else b0 + (b1 - b0) * (rate - r0) / (r1 - r0)) - dense
@@ -56,7 +61,7 @@ def write_tables(curves: dict[tuple[str, int], list[dict]], out: Path) -> None:
     lines = [f"| residual | seeds | full-depth bpb | {head} |", "|" + "---|" * (3 + 2 * len(RATES))]
     for residual in dict.fromkeys(r for r, _ in curves):
         runs = [rows for (r, _), rows in curves.items() if r == residual]
-        dense = statistics.fmean(min((x["mod_rate"], x["bpb"]) for x in rows)[1] for rows in runs)
+        dense = statistics.fmean(full_depth_bpb(rows) for rows in runs)
         cells = []
         for rate in RATES:
             for method in ("threshold", "oracle"):
@@ -75,7 +80,7 @@ def plot(curves: dict[tuple[str, int], list[dict]], path: Path, depth: int) -> P
     labelled = set()
     for (residual, _), rows in curves.items():
         color = colors.get(residual, None)
-        dense = min((r["mod_rate"], r["bpb"]) for r in rows)[1]
+        dense = full_depth_bpb(rows)
         for method, style in (("threshold", "o-"), ("oracle", "s:")):
             # Past a 70% MoD rate nothing useful is left to compare, and it squashes the axes.
             points = sorted((r["executed_fraction"], r["mod_rate"], r["bpb"]) for r in rows

@@ -84,8 +84,10 @@ class NAGResidual(ResidualStrategy):
 
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
+    SETTINGS = ("theta_max", "norm_lane_readout", "bound")
+
     def get_extra_state(self) -> dict:
-        return {"theta_max": self.theta_max, "norm_lane_readout": self.norm_lane_readout, "bound": self.bound}
+        return {name: getattr(self, name) for name in self.SETTINGS}
 
     def set_extra_state(self, state: dict) -> None:
         for name, value in state.items():
@@ -94,9 +96,8 @@ class NAGResidual(ResidualStrategy):
                     f"The checkpoint was trained with {name}={value}; this model was given "
                     f"{name}={getattr(self, name)}: drop the option or give the checkpoint's value."
                 )
-        self.theta_max = float(state["theta_max"])
-        self.norm_lane_readout = bool(state["norm_lane_readout"])
-        self.bound = str(state["bound"])
+        for name in self.SETTINGS:
+            setattr(self, name, state[name])
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
         key = prefix + "_extra_state"
