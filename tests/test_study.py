@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from nag_lightning.analysis.study import depth_study
+from nag_lightning.analysis.study import depth_study, plot_norm_growth
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
 
@@ -25,6 +25,8 @@ def test_depth_study_writes_tables_and_figures_and_resumes(tmp_path):
     assert "| 2 |" in (tmp_path / "depth.md").read_text()
     for figure in ("depth.png", "norm_growth.png"):
         assert (tmp_path / figure).stat().st_size > 10_000
+    other = plot_norm_growth(tmp_path, 1, 1, tmp_path / "norm_growth_L1.png")  # a depth of choice
+    assert other == tmp_path / "norm_growth_L1.png" and other.stat().st_size > 10_000
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/result.json")}
     assert len(stamps) == 4
     depth_study(recipe=DEBUG, out=str(tmp_path), depths=[1, 2], seeds=[1], extra=extra)

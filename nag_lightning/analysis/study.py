@@ -161,8 +161,9 @@ def plot_depth_study(rows: list[dict], path: Path, results: list[dict] | None = 
     save(fig, path)
 
 
-def plot_norm_growth(out: Path, depth: int, seed: int) -> Path | None:
-    """Side by side depth diagnostics of the trained prenorm and NAG runs at one depth."""
+def plot_norm_growth(out: Path, depth: int, seed: int, figure: Path | None = None) -> Path | None:
+    """Side by side depth diagnostics of the trained prenorm and NAG runs at one depth, written to
+    `figure` (default: out/norm_growth.png); None when a run's diagnostics are missing."""
     histories = {}
     for residual in RESIDUALS:
         path = out / run_name(residual, depth, seed) / "version_0" / "depth_diagnostics.json"
@@ -183,7 +184,7 @@ def plot_norm_growth(out: Path, depth: int, seed: int) -> Path | None:
                  title="Angle each sublayer turns the state (band: 10-90%)")
     ax_norm.legend()
     ax_angle.legend()
-    return save(fig, out / "norm_growth.png")
+    return save(fig, figure or out / "norm_growth.png")
 
 
 def depth_study(
