@@ -14,15 +14,15 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
 
 from nag_lightning.callbacks import DepthDiagnostics
 from nag_lightning.data import ByteDataModule
 from nag_lightning.module import NAGLanguageModel, architecture_differences
+from nag_lightning.trust import TRUST_HELP, check_plugins, read_checkpoint
 
 CHECKPOINT_ALIASES = ("last", "best", "hpc", "registry")
 
@@ -37,26 +37,48 @@ class NagCLI(LightningCLI):
                              "checkpoint.filename": "step{step}-bpb{val/bpb:.4f}",
                              "checkpoint.auto_insert_metric_name": False})
         parser.add_lightning_class_args(DepthDiagnostics, "depth")
+        parser.add_argument("--trust_checkpoint", type=bool, default=False, help=TRUST_HELP)
 
     def _parse_ckpt_path(self) -> None:
-        """Refuse a missing checkpoint, and, for `fit`, one of another architecture, before
-        LightningCLI would quietly replace the configured model with the checkpoint's."""
+        """Read the checkpoint as untrusted input (`nag_lightning.trust`) and refuse it in one
+        sentence if it is missing or unreadable, names code outside the registries, or, for `fit`,
+        has another architecture; then take its model settings, as LightningCLI does, saying
+        which of this run's settings they replace."""
         subcommand = self.config.get("subcommand")
-        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if ckpt_path and ckpt_path not in CHECKPOINT_ALIASES and "://" not in str(ckpt_path):
-            if not Path(ckpt_path).is_file():
-                raise FileNotFoundError(
-                    f"The checkpoint {ckpt_path} does not exist; give the path of a .ckpt file "
-                    "written by an earlier run (e.g. <run dir>/checkpoints/last.ckpt)."
-                )
-            if subcommand == "fit":
-                check_architecture(ckpt_path, dict(self.config.fit.model))
-        super()._parse_ckpt_path()
+        if not subcommand or "weights_only" not in self.config[subcommand]:
+            return
+        config = self.config[subcommand]
+        if config.get("weights_only") is False:
+            raise ValueError(
+                "Checkpoints load with weights_only=True only, because a checkpoint may come from "
+                "anyone and a full unpickle can run its code; drop --weights_only false."
+            )
+        config["weights_only"] = True  # Lightning would unpickle a URL in full without it
+        ckpt_path = config.get("ckpt_path")
+        if not ckpt_path or ckpt_path in CHECKPOINT_ALIASES:
+            return
+        checkpoint = read_checkpoint(ckpt_path)
+        model_config = config.model.as_dict()
+        check_plugins(checkpoint, ckpt_path, config.get("trust_checkpoint"), model_config)
+        saved = dict(checkpoint.get("hyper_parameters") or {})
+        if subcommand == "fit":
+            check_architecture(ckpt_path, model_config, saved)
+        saved.pop("_instantiator", None)
+        saved.pop("_class_path", None)  # the model class is fixed: NAGLanguageModel
+        replaced = replaced_settings(saved, model_config)
+        if replaced:
+            advice = ("; to train with other settings, start a new run without ckpt_path"
+                      if subcommand == "fit" else "")
+            _say(f"nag-lightning: {ckpt_path} brings its own model settings, which win over this "
+                 f"run's: {', '.join(replaced)}{advice}.")
+        if saved:
+            self.config = self.parser.parse_object({subcommand: {"model": saved}}, self.config)
 
 
-def check_architecture(ckpt_path: str, model_config: dict) -> None:
+def check_architecture(ckpt_path: str, model_config: dict, saved: dict | None = None) -> None:
     """Raise one sentence if the checkpoint's architecture differs from `model_config`."""
-    saved = torch.load(ckpt_path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+    if saved is None:
+        saved = read_checkpoint(ckpt_path).get("hyper_parameters", {})
     differences = architecture_differences(saved, model_config)
     if differences:
         raise ValueError(
@@ -65,6 +87,27 @@ def check_architecture(ckpt_path: str, model_config: dict) -> None:
             + "; resume with the same model settings (e.g. the run's config.yaml) or start a new "
             "run without ckpt_path."
         )
+
+
+def replaced_settings(saved: dict, model_config: dict) -> list[str]:
+    """`name=saved (not current)` for every model setting the checkpoint saved a different value of."""
+    return [
+        f"model.{name}={value!r} (not {model_config.get(name)!r})"
+        for name, value in saved.items()
+        if name in model_config and _plain(value) != _plain(model_config[name])
+    ]
+
+
+def _plain(value: object) -> object:
+    """YAML-loaded and Python values alike: tuples as lists, an empty options mapping as None."""
+    if isinstance(value, tuple):
+        return list(value)
+    return None if value == {} else value
+
+
+@rank_zero_only
+def _say(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def run_lightning_cli(args: list[str] | None = None, run: bool = True) -> NagCLI:

@@ -160,6 +160,34 @@ class NAGLanguageModel(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path,
+        map_location=None,
+        hparams_file=None,
+        strict: bool | None = None,
+        weights_only: bool | None = True,
+        trust_checkpoint: bool = False,
+        **kwargs,
+    ) -> NAGLanguageModel:
+        """Lightning's loader, with the checkpoint treated as untrusted input (`nag_lightning.trust`):
+        read with weights_only=True wherever it lives, and a residual or router it names by a class
+        path outside the registries refused unless `trust_checkpoint`. Keyword arguments override
+        the saved settings, as in Lightning."""
+        from nag_lightning.trust import check_plugins, read_checkpoint
+
+        if weights_only is False:
+            raise ValueError(
+                "Checkpoints load with weights_only=True only, because a checkpoint may come from "
+                "anyone and a full unpickle can run its code; leave weights_only unset."
+            )
+        checkpoint = read_checkpoint(checkpoint_path)
+        check_plugins(checkpoint, checkpoint_path, trust_checkpoint, replaced=kwargs)
+        return super().load_from_checkpoint(
+            checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
+        )
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse, in one sentence, a checkpoint whose architecture differs from this model's."""
         differences = architecture_differences(

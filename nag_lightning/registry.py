@@ -52,6 +52,14 @@ class Registry(Generic[T]):
         self._load_entry_points()
         return sorted(self._classes)
 
+    def knows(self, name: str) -> bool:
+        """Whether `name` is a registered short name or the dotted path of a registered class, so
+        resolving it imports nothing the package or an installed entry point did not already load."""
+        self._load_entry_points()
+        return name in self._classes or any(
+            name == f"{cls.__module__}.{cls.__qualname__}" for cls in self._classes.values()
+        )
+
     def get(self, name: str) -> type[T]:
         """The class for a short name or a dotted `module.Class` path."""
         self._load_entry_points()

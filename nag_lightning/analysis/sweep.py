@@ -310,6 +310,7 @@ def sweep(
     max_bytes: int | None = None,
     device: str = "cpu",
     seed: int = 0,
+    trust_checkpoint: bool = False,
 ) -> dict[str, Path]:
     """Sweep a checkpoint's routing and write sweep.csv and sweep.png into `out_dir`.
 
@@ -330,14 +331,15 @@ def sweep(
         max_bytes: cap on the corpus bytes; None: the checkpoint's.
         device: where to run ("cpu", "cuda").
         seed: seed of the attached probes' initialisation.
+        trust_checkpoint: let the checkpoint's residual or router import and call a class path
+            outside the registered plugins; only for checkpoints whose origin you trust.
     """
     from nag_lightning.data import ByteDataModule
     from nag_lightning.module import NAGLanguageModel
+    from nag_lightning.trust import read_checkpoint
 
-    module = load_checkpoint(NAGLanguageModel, ckpt_path, device)
-    saved = torch.load(ckpt_path, map_location="cpu", weights_only=True).get(
-        "datamodule_hyper_parameters", {}
-    )
+    module = load_checkpoint(NAGLanguageModel, ckpt_path, device, trust_checkpoint)
+    saved = read_checkpoint(ckpt_path).get("datamodule_hyper_parameters", {})
     data_options = {k: v for k, v in saved.items()
                     if k in ("source", "cache_dir", "batch_size", "max_bytes", "val_fraction")}
     overrides = {"source": source, "cache_dir": cache_dir, "batch_size": batch_size, "max_bytes": max_bytes}
@@ -357,13 +359,10 @@ def sweep(
             "png": plot(rows, out / "sweep.png", title, trained_routed)}
 
 
-def load_checkpoint(cls, ckpt_path: str, device: str):
-    if not Path(ckpt_path).is_file():
-        raise FileNotFoundError(
-            f"The checkpoint {ckpt_path} does not exist; give the path of a .ckpt file written by "
-            "`nag-lightning fit` (e.g. <run dir>/checkpoints/last.ckpt)."
-        )
-    return cls.load_from_checkpoint(ckpt_path, map_location=device).to(device).eval()
+def load_checkpoint(cls, ckpt_path: str, device: str, trust_checkpoint: bool = False):
+    """`cls` (a NAGLanguageModel) from a checkpoint, read as untrusted input (`nag_lightning.trust`)."""
+    module = cls.load_from_checkpoint(ckpt_path, map_location=device, trust_checkpoint=trust_checkpoint)
+    return module.to(device).eval()
 
 
 def sweep_command(args: list[str]) -> None:
