@@ -39,6 +39,17 @@ class NagCLI(LightningCLI):
         parser.add_lightning_class_args(DepthDiagnostics, "depth")
         parser.add_argument("--trust_checkpoint", type=bool, default=False, help=TRUST_HELP)
 
+    def before_instantiate_classes(self) -> None:
+        """Refuse a step limit that would train nothing (Lightning keeps -1 for no limit)."""
+        if self.subcommand == "fit":
+            max_steps = self.config.fit.trainer.max_steps
+            if max_steps is not None and (max_steps == 0 or max_steps < -1):
+                problem = "would train nothing" if max_steps == 0 else "is not a number of steps"
+                raise ValueError(
+                    f"trainer.max_steps={max_steps} {problem}; give a positive number of optimizer "
+                    "steps, or -1 for no step limit (training then stops at trainer.max_epochs)."
+                )
+
     def _parse_ckpt_path(self) -> None:
         """Read the checkpoint as untrusted input (`nag_lightning.trust`) and refuse it in one
         sentence if it is missing or unreadable, names code outside the registries, or, for `fit`,

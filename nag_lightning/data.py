@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import lightning as L
 import torch
@@ -110,6 +112,25 @@ def resolve_files(source: str | list[str] | None) -> list[Path]:
 
 def _is_remote(source: str) -> bool:
     return "://" in source
+
+
+def _local_uris(source: str | list[str] | None) -> str | list[str] | None:
+    """`source` with file:// URIs turned into the local paths they name."""
+    if isinstance(source, list):
+        return [_local_uri(item) for item in source]
+    return source if source is None else _local_uri(source)
+
+
+def _local_uri(item: str) -> str:
+    if not item.startswith("file:"):
+        return item
+    uri = urlparse(item)
+    if uri.netloc not in ("", "localhost"):
+        raise ValueError(
+            f"data.source {item!r} names a file on another host ({uri.netloc}); give a local path "
+            "or an object-store URI such as s3://bucket/folder."
+        )
+    return url2pathname(uri.path)
 
 
 def _is_litdata(folder: Path) -> bool:
@@ -250,6 +271,7 @@ def prepare_corpus(
     With `seq_len`, each split must hold at least one sequence of `seq_len + 1` bytes.
     """
     _check_fraction(val_fraction)
+    source = _local_uris(source)
     if (ready := optimized_dir(source)) is not None:
         return ready if _is_remote(ready) else Path(ready)
     if max_bytes is None and source is None:
@@ -270,10 +292,13 @@ def prepare_corpus(
     target = Path(cache_dir).expanduser().resolve() / _corpus_hash(files, val_fraction, max_bytes)
     if (target / _META).is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    (target.parent / _CACHEDIR_TAG).write_text(_CACHEDIR_SIGNATURE)
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (target.parent / _CACHEDIR_TAG).write_text(_CACHEDIR_SIGNATURE)
+        tmp.mkdir()
+    except OSError as error:
+        raise _unwritable(cache_dir, error) from None
     try:
         _in_child(_tokenize, splits, tmp)
         meta = {
@@ -292,6 +317,32 @@ def prepare_corpus(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _unwritable(cache_dir: str | Path, error: OSError) -> ValueError:
+    if Path(cache_dir).expanduser().is_file():
+        return ValueError(
+            f"data.cache_dir={str(cache_dir)!r} is a file, not a folder; give a folder for the "
+            "token cache (it is created if missing)."
+        )
+    return ValueError(
+        f"data.cache_dir={str(cache_dir)!r} cannot hold the token cache ({error.strerror or error}: "
+        f"{error.filename or cache_dir}); give a folder you can write to."
+    )
+
+
+def _unreachable(root: str, error: Exception) -> ValueError:
+    """One sentence for an object-store dataset that could not be opened."""
+    if type(error).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+        return ValueError(
+            f"No credentials were found to read data.source {root!r}; configure them (e.g. "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or `aws configure` for "
+            "s3://) or copy the data to a local folder and give that."
+        )
+    return ValueError(
+        f"data.source {root!r} could not be opened ({type(error).__name__}: {error}); check the "
+        "address, your network and your access to it, or copy the data to a local folder."
+    )
 
 
 def token_counts(prepared: str | Path) -> dict[str, int]:
@@ -395,14 +446,19 @@ class ByteDataModule(L.LightningDataModule):
             chunks = _chunks(Path(root, split))
             if sum(c["dim"] // block for c in chunks) == 0:  # blocks never straddle two chunks
                 raise _too_short(split, sum(c["dim"] for c in chunks), block)
-        return StreamingDataset(
-            f"{root}/{split}",
-            cache_dir=remote_cache,
-            item_loader=TokensLoader(block_size=block),
-            shuffle=shuffle,
-            seed=self.seed,
-            **_FULL_SHUFFLE,
-        )
+        try:
+            return StreamingDataset(
+                f"{root}/{split}",
+                cache_dir=remote_cache,
+                item_loader=TokensLoader(block_size=block),
+                shuffle=shuffle,
+                seed=self.seed,
+                **_FULL_SHUFFLE,
+            )
+        except Exception as error:
+            if remote_cache is None:
+                raise
+            raise _unreachable(str(root), error) from None
 
     def _loader(self, dataset: StreamingDataset | None) -> StreamingDataLoader:
         if dataset is None:

@@ -100,6 +100,16 @@ class NAGLanguageModel(L.LightningModule):
         self.model = Transformer(self.config)
         self.val_bpb = BitsPerByte()
 
+    def setup(self, stage: str) -> None:
+        """Refuse a vocabulary smaller than the data's token ids, before an embedding lookup
+        fails on the first batch."""
+        needed = getattr(self.trainer.datamodule, "vocab_size", None)
+        if needed is not None and self.hparams.vocab_size < needed:
+            raise ValueError(
+                f"model.vocab_size={self.hparams.vocab_size} is smaller than the {needed} token ids "
+                f"of the data (one per byte value); set model.vocab_size to at least {needed}."
+            )
+
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx).logits
 

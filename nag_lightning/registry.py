@@ -10,6 +10,7 @@ first lookup.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any, Generic, TypeVar
@@ -88,6 +89,27 @@ class Registry(Generic[T]):
         raise ValueError(
             f"A {self.kind} must be a registered name or a mapping with 'class_path'; got {spec!r}."
         )
+
+    def check_options(
+        self, cls: type, options: Mapping[str, Any], supplied: tuple[str, ...], setting: str
+    ) -> None:
+        """Refuse, listing the accepted names, an option `cls`'s constructor does not take
+        (`supplied`: the arguments the builder passes itself; `setting`: where options come from)."""
+        parameters = inspect.signature(cls).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return  # takes anything; it will say so itself
+        accepted = [
+            name for name, p in parameters.items()
+            if name not in supplied
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            name = getattr(cls, "registry_name", cls.__qualname__)
+            raise ValueError(
+                f"{setting} has {', '.join(map(repr, unknown))}, which the {self.kind} {name!r} "
+                f"does not take; it accepts: {', '.join(accepted) or 'no options'}."
+            )
 
     def _load_entry_points(self) -> None:
         if self._entry_points_loaded:

@@ -75,7 +75,9 @@ def build_residual(
     """Build a strategy from a YAML spec (a registered name or `{class_path, init_args}`); `options`
     override the spec's init_args."""
     cls, init_args = RESIDUALS.resolve(spec)
-    return cls(d_model=d_model, n_sublayers=n_sublayers, **{**init_args, **options})
+    options = {**init_args, **options}
+    RESIDUALS.check_options(cls, options, ("d_model", "n_sublayers"), "model.residual_options")
+    return cls(d_model=d_model, n_sublayers=n_sublayers, **options)
 
 
 def radial_split(f: Tensor, direction: Tensor) -> tuple[Tensor, Tensor]:

@@ -84,7 +84,9 @@ def build_router(spec: str | dict, d_model: int, **options: object) -> Router:
     """Build one router from a YAML spec (a registered name or `{class_path, init_args}`);
     `options` override the spec's init_args."""
     cls, init_args = ROUTERS.resolve(spec)
-    return cls(d_model=d_model, **{**init_args, **options})
+    options = {**init_args, **options}
+    ROUTERS.check_options(cls, options, ("d_model",), "model.router_options")
+    return cls(d_model=d_model, **options)
 
 
 for _module in pkgutil.iter_modules(__path__):
