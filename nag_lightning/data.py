@@ -333,7 +333,7 @@ def _unwritable(cache_dir: str | Path, error: OSError) -> ValueError:
 
 def _unreachable(root: str, error: Exception) -> ValueError:
     """One sentence for an object-store dataset that could not be opened."""
-    if type(error).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+    if "Credential" in type(error).__name__:  # botocore's NoCredentialsError and its kin
         return ValueError(
             f"No credentials were found to read data.source {root!r}; configure them (e.g. "
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or `aws configure` for "

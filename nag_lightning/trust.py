@@ -71,7 +71,7 @@ def read_checkpoint(path: str | Path | IO[bytes], map_location: Any = "cpu") -> 
             # torch warns about pickle protocols of files it then refuses; the refusal is what counts
             warnings.simplefilter("ignore")
             checkpoint = torch.load(source, map_location=map_location, weights_only=True)
-    except OSError as error:
+    except PermissionError as error:
         raise _inaccessible(path, error) from None
     except pickle.UnpicklingError as error:
         _forget(path, source)
