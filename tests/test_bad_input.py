@@ -159,3 +159,12 @@ def test_a_file_uri_is_the_local_path(corpus, cache_dir, tmp_path, capsys, monke
                               "--trainer.limit_val_batches=0"), capsys)
     assert status == 0, err[-2000:]
     assert list(tmp_path.rglob("last.ckpt"))
+
+
+def test_compare_with_an_unreadable_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.csv").write_text("step,val/bpb\n1,3.0\n")
+    bad_checkpoint("truncated", run / "checkpoints" / "last.ckpt")
+    sentence = one_sentence(*run_cli(["compare", str(run), "--out", str(tmp_path / "out")], capsys))
+    assert "is not a readable checkpoint" in sentence

@@ -78,9 +78,9 @@ def _checkpoint_totals(run_dir: Path) -> dict[str, float]:
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     if not ckpt.is_file():
         return {}
-    import torch
+    from nag_lightning.trust import read_checkpoint
 
-    state = torch.load(ckpt, map_location="cpu", weights_only=True).get("callbacks", {})
+    state = read_checkpoint(ckpt).get("callbacks", {})
     accounting = state.get("FlopAccounting")
     if not accounting:
         return {}
