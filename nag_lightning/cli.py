@@ -56,7 +56,7 @@ class NagCLI(LightningCLI):
         has another architecture; then take its model settings, as LightningCLI does, saying
         which of this run's settings they replace."""
         subcommand = self.config.get("subcommand")
-        if not subcommand or "weights_only" not in self.config[subcommand]:
+        if not subcommand:
             return
         config = self.config[subcommand]
         if config.get("weights_only") is False:
@@ -64,7 +64,8 @@ class NagCLI(LightningCLI):
                 "Checkpoints load with weights_only=True only, because a checkpoint may come from "
                 "anyone and a full unpickle can run its code; drop --weights_only false."
             )
-        config["weights_only"] = True  # Lightning would unpickle a URL in full without it
+        if "weights_only" in config:
+            config["weights_only"] = True  # Lightning would unpickle a URL in full without it
         ckpt_path = config.get("ckpt_path")
         if not ckpt_path or ckpt_path in CHECKPOINT_ALIASES:
             return
