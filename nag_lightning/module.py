@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from nag_lightning.callbacks.projection import WeightProjection
 from nag_lightning.model import SUBLAYER_KINDS, Transformer, TransformerConfig
+from nag_lightning.residuals import ResidualStrategy
 
 # The settings a checkpoint's weights depend on; resuming with any of them changed cannot work.
 ARCHITECTURE_FIELDS = (
@@ -159,6 +161,13 @@ class NAGLanguageModel(L.LightningModule):
             optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """The callbacks the residual strategy's method needs: weight projection (nGPT's
+        renormalization after each step) for a strategy that constrains the weights."""
+        if type(self.model.strategy).project_weights is ResidualStrategy.project_weights:
+            return []
+        return [WeightProjection()]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse, in one sentence, a checkpoint whose architecture differs from this model's."""
