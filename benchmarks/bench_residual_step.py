@@ -1,14 +1,16 @@
-"""Training-step time and peak memory of NAG over the pre-norm baseline, side by side in one process.
+"""Training-step time and peak memory of every residual strategy over pre-norm, side by side in one process.
 
     python benchmarks/bench_residual_step.py                       # CPU: d=256, 8 layers, seq 256
+    python benchmarks/bench_residual_step.py --residuals nag ngpt  # a subset (prenorm always runs)
     python benchmarks/bench_residual_step.py --device cuda --d-model 2048 --n-layers 24 \
         --seq-len 2048 --batch 8 --precision bf16-mixed           # a GPU-sized model
 
-Each step is forward, backward and an AdamW update. The two models are timed in alternation
-(ABAB...), so drifts in machine load hit both, and the median is reported. Peak memory is
-`torch.cuda.max_memory_allocated` on a GPU; on CPU it is the bytes held by parameters, gradients,
-optimizer state and the tensors autograd saves for backward (deduplicated by storage), at the end
-of the forward pass, which is where a training step peaks.
+Each step is forward, backward, an AdamW update and the strategy's weight projection (nGPT's
+renormalization of every matrix; nothing for the others), as in training. The models are timed in
+alternation (ABC...ABC...), so drifts in machine load hit all of them, and the median is reported.
+Peak memory is `torch.cuda.max_memory_allocated` on a GPU; on CPU it is the bytes held by
+parameters, gradients, optimizer state and the tensors autograd saves for backward (deduplicated by
+storage), at the end of the forward pass, which is where a training step peaks.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nag_lightning import Transformer, TransformerConfig
+from nag_lightning.residuals import RESIDUALS
 
 
 def build(residual: str, args: argparse.Namespace) -> tuple[Transformer, torch.optim.Optimizer]:
@@ -33,6 +36,7 @@ def build(residual: str, args: argparse.Namespace) -> tuple[Transformer, torch.o
         residual_options={"kernel": args.kernel, **json.loads(args.nag_options)} if residual == "nag" else {},
     )
     model = Transformer(cfg).to(args.device)
+    model.strategy.project_weights(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -48,6 +52,7 @@ def step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tens
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
     loss.backward()
     optimizer.step()
+    model.strategy.project_weights(model)
     optimizer.zero_grad(set_to_none=True)
 
 
@@ -95,12 +100,17 @@ def main() -> None:
     parser.add_argument("--kernel", choices=("auto", "triton", "torch"), default="auto")
     parser.add_argument("--nag-options", default="{}",
                         help='further NAG options as JSON, e.g. \'{"norm_lane_readout": false}\'')
+    parser.add_argument("--residuals", nargs="+", default=None,
+                        help="strategies to measure against prenorm (default: every registered one)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
 
     batch = torch.randint(0, 256, (args.batch, args.seq_len + 1), device=args.device)
-    models = {name: build(name, args) for name in ("prenorm", "nag")}
+    names = ["prenorm", *(n for n in (args.residuals or RESIDUALS.names()) if n != "prenorm")]
+    for name in names:
+        RESIDUALS.get(name)  # an unknown name fails here with the registered ones listed
+    models = {name: build(name, args) for name in names}
     times: dict[str, list[float]] = {name: [] for name in models}
     for i in range(args.warmup + args.repeats):
         for name, (model, optimizer) in models.items():
@@ -118,14 +128,15 @@ def main() -> None:
     print(f"device: {device}, threads: {torch.get_num_threads()}, d={args.d_model}, "
           f"layers={args.n_layers}, seq={args.seq_len}, batch={args.batch}, "
           f"precision={args.precision}, kernel={args.kernel}, repeats={args.repeats}")
-    print("| residual | params | median step (ms) | peak memory (MiB) |")
-    print("|---|---|---|---|")
+    base_time, base_memory = statistics.median(times["prenorm"]), memory["prenorm"]
+    print("| residual | params | median step (ms) | peak memory (MiB) | time / prenorm | "
+          "memory / prenorm | params / prenorm |")
+    print("|---|---|---|---|---|---|---|")
     for name in models:
-        print(f"| {name} | {params[name]:,} | {1000 * statistics.median(times[name]):.1f} | "
-              f"{memory[name] / 2**20:.1f} |")
-    t_ratio = statistics.median(times["nag"]) / statistics.median(times["prenorm"])
-    print(f"\nnag / prenorm: time {t_ratio:.3f}, memory {memory['nag'] / memory['prenorm']:.3f}, "
-          f"parameters {params['nag'] / params['prenorm']:.5f}")
+        median = statistics.median(times[name])
+        print(f"| {name} | {params[name]:,} | {1000 * median:.1f} | {memory[name] / 2**20:.1f} | "
+              f"{median / base_time:.3f} | {memory[name] / base_memory:.3f} | "
+              f"{params[name] / params['prenorm']:.5f} |")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from nag_lightning.callbacks.projection import WeightProjection
 from nag_lightning.model import SUBLAYER_KINDS, Transformer, TransformerConfig
+from nag_lightning.residuals import ResidualStrategy
 
 # The settings a checkpoint's weights depend on; resuming with any of them changed cannot work.
 ARCHITECTURE_FIELDS = (
@@ -197,6 +199,13 @@ class NAGLanguageModel(L.LightningModule):
         return super().load_from_checkpoint(
             checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
         )
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """The callbacks the residual strategy's method needs: weight projection (nGPT's
+        renormalization after each step) for a strategy that constrains the weights."""
+        if type(self.model.strategy).project_weights is ResidualStrategy.project_weights:
+            return []
+        return [WeightProjection()]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse, in one sentence, a checkpoint whose architecture differs from this model's."""

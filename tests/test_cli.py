@@ -110,7 +110,8 @@ def test_resume_mid_epoch_gives_the_same_weights(tmp_path, cache_dir, monkeypatc
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--model.residual=postnorm"], "Unknown residual strategy 'postnorm'; registered: nag, prenorm"),
+        (["--model.residual=postnorm"], "Unknown residual strategy 'postnorm'; "
+          "registered: lns, nag, ngpt, periln, prenorm"),
         (["--model.d_model=33"], "must be divisible by model.n_heads"),
         (["--model.seq_len=1"], "seq_len must be at least 2"),
         (["--data.source=/no/such/corpus.txt"], "does not exist"),

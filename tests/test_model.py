@@ -76,7 +76,8 @@ def test_depth_diagnostics_are_recorded_on_request():
         ({"seq_len": 1}, "seq_len must be at least 2"),
         ({"route_kinds": ["attn", "ffn"]}, "sublayer kinds \\['ffn'\\] that do not exist"),
         ({"route_layers": [7]}, "route_layers must be"),
-        ({"residual": "postnorm"}, "Unknown residual strategy 'postnorm'; registered: nag, prenorm"),
+        ({"residual": "postnorm"}, "Unknown residual strategy 'postnorm'; "
+          "registered: lns, nag, ngpt, periln, prenorm"),
         ({"router": "random"}, "Unknown router 'random'; registered: .*none"),
     ],
 )

@@ -162,3 +162,109 @@ def test_bound_variants_of_the_experiments_folder_load_by_dotted_path(name, monk
     assert (theta > 0).all() and (theta < 0.2).all()
     u_new.sum().backward()
     assert strategy.alpha.grad[3] != 0
+
+
+def test_lns_scales_each_read_by_its_blocks_inverse_square_root():
+    """Block l (1-based) reads RMSNorm(x)·γ/sqrt(l); both sublayers of a block share l, and the
+    first block reads exactly what pre-norm reads."""
+    lns, prenorm = build_residual("lns", D, n_sublayers=6), build_residual("prenorm", D, n_sublayers=6)
+    state = (torch.randn(ROWS, D) * 4.0,)
+    for index, block in ((0, 1), (1, 1), (2, 2), (3, 2), (5, 3)):
+        expected = prenorm.read(state, index) / math.sqrt(block)
+        torch.testing.assert_close(lns.read(state, index), expected, rtol=0, atol=0)
+    f, gate = torch.randn(ROWS, D), torch.rand(ROWS)
+    (x_new,), angle = lns.write(state, f, gate, 2)
+    (x_pre,), angle_pre = prenorm.write(state, f, gate, 2)
+    assert torch.equal(x_new, x_pre) and torch.equal(angle, angle_pre)  # pre-norm's stream
+
+
+def test_periln_update_has_the_rms_of_its_output_gain():
+    strategy = build_residual("periln", D, n_sublayers=4)
+    with torch.no_grad():
+        strategy.gamma_post[1] = 2.5
+    e = torch.randn(ROWS, D) * 7.0
+    (x,) = strategy.init_state(e)
+    rms = lambda t: t.pow(2).mean(-1).sqrt()  # noqa: E731
+    torch.testing.assert_close(rms(x), torch.ones(ROWS), atol=1e-4, rtol=0)  # embedding normalized
+    for scale in (0.1, 1.0, 1e3):  # well above the norm's epsilon
+        (x_new,), _ = strategy.write((x,), scale * torch.randn(ROWS, D), None, 1)
+        torch.testing.assert_close(rms(x_new - x), torch.full((ROWS,), 2.5), atol=1e-3, rtol=0)
+    gate = torch.rand(ROWS)
+    (x_new,), _ = strategy.write((x,), torch.randn(ROWS, D), gate, 1)
+    torch.testing.assert_close(rms(x_new - x), 2.5 * gate, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["prenorm", "lns", "periln", "ngpt"])
+def test_contribution_is_the_angle_between_states_before_and_after(name):
+    strategy = build_residual(name, D, n_sublayers=4)
+    state = strategy.init_state(torch.randn(ROWS, D) * 2.0)
+    (x,) = state
+    gate = torch.rand(ROWS)
+    (x_new,), angle = strategy.write(state, torch.randn(ROWS, D) * 3.0, gate, 1)
+    expected = torch.acos(torch.nn.functional.cosine_similarity(x, x_new, dim=-1).clamp(-1, 1))
+    torch.testing.assert_close(angle, expected, atol=1e-3, rtol=0)
+    assert (angle > 0).all()
+
+
+def test_ngpt_state_stays_on_the_unit_sphere():
+    strategy = build_residual("ngpt", D, n_sublayers=8)
+    (x,) = strategy.init_state(torch.randn(ROWS, D) * 5.0)
+    torch.testing.assert_close(x.norm(dim=-1), torch.ones(ROWS))
+    for index, f in enumerate(sublayer_outputs(x).values()):
+        for dtype in (torch.float32, torch.bfloat16):
+            (x,), _ = strategy.write((x,), f.to(dtype), torch.rand(ROWS), index)
+            assert x.dtype == torch.float32
+            torch.testing.assert_close(x.norm(dim=-1), torch.ones(ROWS), atol=2e-6, rtol=0)
+    features, scale = strategy.final((x,))
+    assert torch.equal(features, x) and scale.shape == (ROWS, 1)
+    torch.testing.assert_close(strategy.state_norm((x,)), torch.ones(ROWS))
+
+
+def test_ngpt_eigen_learning_rates_and_logit_scale_use_the_papers_scaling_trick():
+    """Stored at 1/sqrt(d), effective 0.05 (alpha) and 1 (s_z): a step of f exactly along the
+    state's orthogonal complement turns it by atan(0.05 / 0.95)."""
+    strategy = build_residual("ngpt", D, n_sublayers=4)
+    assert torch.allclose(strategy.alpha, torch.full((4, D), 1 / math.sqrt(D)))
+    assert torch.allclose(strategy.logit_scale, torch.tensor(1 / math.sqrt(D)))
+    x = torch.zeros(1, D)
+    x[0, 0] = 1.0
+    f = torch.zeros(1, D)
+    f[0, 1] = 9.0
+    (_,), angle = strategy.write((x,), f, None, 0)
+    torch.testing.assert_close(angle, torch.atan(torch.tensor([0.05 / 0.95])))
+    torch.testing.assert_close(strategy.final((x,))[1], torch.ones(1, 1))
+
+
+def test_ngpt_projects_every_matrix_to_unit_norm_along_the_embedding_axis():
+    from nag_lightning.model import Transformer, TransformerConfig
+
+    model = Transformer(TransformerConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16, residual="ngpt"))
+    model.strategy.project_weights(model)
+    ones = lambda n: torch.ones(n)  # noqa: E731
+    torch.testing.assert_close(model.embed.weight.norm(dim=1), ones(256))
+    torch.testing.assert_close(model.head.weight.norm(dim=1), ones(256))
+    for block in model.blocks:
+        torch.testing.assert_close(block.attn.compute.qkv.weight.norm(dim=1), ones(96))
+        torch.testing.assert_close(block.attn.compute.proj.weight.norm(dim=0), ones(32))
+        torch.testing.assert_close(block.mlp.compute.gate_up.weight.norm(dim=1), ones(256))
+        torch.testing.assert_close(block.mlp.compute.proj.weight.norm(dim=0), ones(128))
+    alpha = model.strategy.alpha.clone()
+    model.strategy.project_weights(model)  # the strategy's own parameters are not touched
+    assert torch.equal(model.strategy.alpha, alpha)
+    # Other strategies leave the weights alone.
+    prenorm = Transformer(
+        TransformerConfig(d_model=32, n_layers=1, n_heads=2, seq_len=16, residual="prenorm"))
+    before = prenorm.head.weight.clone()
+    prenorm.strategy.project_weights(prenorm)
+    assert torch.equal(prenorm.head.weight, before)
+
+
+def test_ngpt_training_adds_the_weight_projection_callback():
+    from nag_lightning.callbacks import WeightProjection
+    from nag_lightning.module import NAGLanguageModel
+
+    tiny = dict(d_model=16, n_layers=1, n_heads=2, seq_len=8)
+    callbacks = NAGLanguageModel(residual="ngpt", **tiny).configure_callbacks()
+    assert [type(c) for c in callbacks] == [WeightProjection]
+    for name in ("prenorm", "nag", "lns", "periln"):
+        assert NAGLanguageModel(residual=name, **tiny).configure_callbacks() == []

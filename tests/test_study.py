@@ -97,3 +97,78 @@ def test_a_missing_recipe_is_one_sentence_before_any_run(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="No recipe at recipes/study/depth.yaml .* repository root"):
         depth_study(out=str(tmp_path / "out"), depths=[1], seeds=[1])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_picks_on_one_half_of_validation_and_reports_the_other(tmp_path):
+    """Per (strategy, depth) the learning rate with the best selection half wins; the table shows
+    its report half and the run's angle spread from its diagnostics; per-strategy options apply."""
+    import json
+
+    extra = ["--trainer.max_steps=3", "--trainer.val_check_interval=3",
+             f"--data.cache_dir={tmp_path / 'cache'}"]
+    rows = depth_study(recipe=DEBUG, out=str(tmp_path), depths=[1], seeds=[1], residuals=["periln"],
+                       extra=extra, residual_extra={"periln": ["--model.warmup_steps=1"]},
+                       lrs=[1e-3, 1e-2], split_batches=4)
+    runs = {p.parent.name: json.loads(p.read_text()) for p in tmp_path.glob("*/result.json")}
+    assert sorted(runs) == ["periln-L1-s1-lr0.001", "periln-L1-s1-lr0.01"]
+    picked = min((runs["periln-L1-s1-lr0.001"], 1e-3), (runs["periln-L1-s1-lr0.01"], 1e-2),
+                 key=lambda pair: pair[0]["select_bpb"])
+    assert rows[0]["periln_lr"] == picked[1]
+    assert rows[0]["periln_mean"] == picked[0]["report_bpb"] != picked[0]["select_bpb"]
+    assert 0 < rows[0]["periln_angle_q10_q90"] <= 1
+    config = (tmp_path / "periln-L1-s1-lr0.01" / "version_0" / "hparams.yaml").read_text()
+    assert "warmup_steps: 1" in config and "lr: 0.01" in config
+    table = (tmp_path / "depth.md").read_text()
+    assert f"| 1 | {picked[0]['report_bpb']:.4f}" in table and "periln angle q10/q90" in table
+    assert (tmp_path / "norm_growth.png").stat().st_size > 10_000
+
+
+def test_the_nag_gain_is_stated_against_the_best_other_strategy(tmp_path, monkeypatch):
+    from nag_lightning.analysis import study
+
+    bpb = {"prenorm": 3.0, "nag": 2.8, "lns": 2.7, "periln": 2.9, "ngpt": 3.1}
+
+    def fake_fit_run(out, name, args):
+        residual = name.split("-L")[0]
+        seed = int(name.split("-s")[1][0])
+        return {"val_bpb": bpb[residual] + 0.01 * seed, "step": 3, "wall_s": 0.0}
+
+    monkeypatch.setattr(study, "fit_run", fake_fit_run)
+    rows = depth_study(recipe=DEBUG, out=str(tmp_path), depths=[4, 8], seeds=[1, 2], residuals=list(bpb))
+    for row in rows:
+        assert row["best_other"] == "lns"
+        assert abs(row["nag_gain"] - (-0.1)) < 1e-9 and abs(row["nag_gain_prenorm"] - 0.2) < 1e-9
+        assert row["ngpt_angle_q10_q90"] is None  # no diagnostics without a real run
+    gains = study.paired_gains(study.choose([
+        {"residual": r, "depth": 4, "seed": s, "val_bpb": v + 0.01 * s}
+        for r, v in bpb.items() for s in (1, 2)]))
+    assert [round(g, 6) for _, g in gains] == [-0.1, -0.1]
+    header = (tmp_path / "depth.md").read_text().splitlines()[0]
+    for residual in bpb:
+        assert f"{residual} bpb" in header and f"{residual} angle q10/q90" in header
+    assert (tmp_path / "depth.png").stat().st_size > 10_000
+
+
+def test_angle_spread_is_the_median_over_sublayers_of_q10_over_q90(tmp_path):
+    import json
+
+    from nag_lightning.analysis.study import angle_spread
+
+    path = tmp_path / "depth_diagnostics.json"
+    path.write_text(json.dumps([{"q0.1": [9.0, 9.0, 9.0], "q0.9": [9.0, 9.0, 9.0]},  # not the last
+                                {"q0.1": [0.1, 0.2, 0.6], "q0.9": [1.0, 0.4, 0.8]}]))
+    assert abs(angle_spread(path) - 0.5) < 1e-12
+    assert angle_spread(tmp_path / "missing.json") is None
+
+
+def test_bad_study_options_are_one_sentence_before_any_run(tmp_path):
+    import pytest
+
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="Unknown residual strategy 'postnorm'; registered: lns, nag"):
+        depth_study(recipe=DEBUG, out=str(out), residuals=["prenorm", "postnorm"])
+    with pytest.raises(ValueError, match="--residual_extra gives options for \\['lns'\\]"):
+        depth_study(recipe=DEBUG, out=str(out), residuals=["nag"], residual_extra={"lns": ["--model.lr=1"]})
+    with pytest.raises(ValueError, match="must be positive"):
+        depth_study(recipe=DEBUG, out=str(out), lrs=[0.0])
+    assert not out.exists()

@@ -1,7 +1,8 @@
-"""Lightning callbacks: depth diagnostics, FLOP accounting and FLOP budgets."""
+"""Lightning callbacks: depth diagnostics, FLOP accounting, FLOP budgets and weight projection."""
 
 from nag_lightning.callbacks.budget import FlopBudget
 from nag_lightning.callbacks.depth import DepthDiagnostics
 from nag_lightning.callbacks.flops import FlopAccounting
+from nag_lightning.callbacks.projection import WeightProjection
 
-__all__ = ["DepthDiagnostics", "FlopAccounting", "FlopBudget"]
+__all__ = ["DepthDiagnostics", "FlopAccounting", "FlopBudget", "WeightProjection"]

@@ -65,6 +65,11 @@ class ResidualStrategy(nn.Module):
         """A per-token norm of the state (...) comparable across depth, for diagnostics."""
         raise NotImplementedError
 
+    def project_weights(self, model: nn.Module) -> None:
+        """Constrain the weights of `model` (the whole Transformer) in place, as the strategy's
+        method requires; training calls it at the start of fit and after every optimizer step.
+        Nothing by default; nGPT keeps every weight matrix unit-norm along the embedding axis."""
+
 
 RESIDUALS: Registry[ResidualStrategy] = Registry("residual strategy", "nag_lightning.residuals")
 
