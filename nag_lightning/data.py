@@ -1,17 +1,21 @@
-"""Byte-level language-modelling data: text -> litdata token chunks -> streaming batches.
+"""Language-modelling data: text -> litdata token chunks -> streaming batches.
 
-Text is read as raw bytes (vocab 256, one token per byte) and tokenized ONCE, in `prepare_corpus`,
-into litdata chunks under `cache_dir/<hash>/{train,val}`. Training then streams fixed blocks of
-`seq_len + 1` bytes with litdata's `StreamingDataset` + `TokensLoader`, read by a
+Text is tokenized ONCE, in `prepare_corpus`, into litdata chunks under `cache_dir/<hash>/{train,val}`:
+by default as raw bytes (vocab 256, one token per byte), or with the tokenizer `data.tokenizer`
+names (`nag_lightning.tokenizer`: a Hugging Face tokenizer.json, or a byte-level BPE trained here on
+the training split and cached under `cache_dir/tokenizers/`). Training then streams fixed blocks of
+`seq_len + 1` tokens with litdata's `StreamingDataset` + `TokensLoader`, read by a
 `StreamingDataLoader`, so sharding across ranks and workers and mid-epoch resume come from litdata
 (Lightning stores a stateful loader's `state_dict()` in every checkpoint and restores it on resume).
 
     files --(last val_fraction of each file's bytes)--> val/   chunk-*.bin + index.json
           --(the rest)--------------------------------> train/ chunk-*.bin + index.json
 
-The hash covers the resolved files (paths, sizes, mtimes), `val_fraction` and `max_bytes`, so a
-second run reuses the cache and a changed corpus re-tokenizes. `seq_len` is not in the hash: the
-chunks are one flat token stream, cut into blocks only when read.
+The hash covers the resolved files (paths, sizes, mtimes), `val_fraction`, `max_bytes` and, for any
+tokenizer but bytes, the tokenizer itself (its tokenizer.json), so a second run reuses the cache, a
+changed corpus re-tokenizes and two tokenizers never share chunks. `seq_len` is not in the hash: the
+chunks are one flat token stream, cut into blocks only when read. A tokenized folder holds its
+tokenizer.json beside the chunks, so it is a complete `data.source` by itself.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import shutil
 import sys
 import sysconfig
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -37,9 +43,13 @@ import lightning as L
 import torch
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader, optimize
 
+from nag_lightning import tokenizer as tokenizers
+from nag_lightning.tokenizer import HFTokenizer, Tokenizer
+
 # Bump when the on-disk layout or the split rule changes, so old caches are not reused.
 _CACHE_VERSION = 1
 _META = "meta.json"
+_TOKENIZER = "tokenizer.json"
 # Chunk files of ~16 MB. The shuffle permutes chunk order, then the blocks inside each chunk; a
 # block never straddles two chunks, so each chunk's last (< seq_len + 1) bytes are never read.
 _CHUNK_BYTES = "16MB"
@@ -188,10 +198,14 @@ def _split(
     return splits
 
 
-def _corpus_hash(files: list[Path], val_fraction: float, max_bytes: int | None) -> str:
+def _corpus_hash(
+    files: list[Path], val_fraction: float, max_bytes: int | None, tokenizer_key: str | None = None
+) -> str:
     stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    key = json.dumps([_CACHE_VERSION, stats, val_fraction, max_bytes])
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+    settings = [_CACHE_VERSION, stats, val_fraction, max_bytes]
+    if tokenizer_key is not None:  # bytes keep the key they always had, so their caches stay valid
+        settings.append(tokenizer_key)
+    return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
 
 
 def _read_tokens(piece: tuple[str, int, int]) -> Iterator[torch.Tensor]:
@@ -207,7 +221,44 @@ def _read_tokens(piece: tuple[str, int, int]) -> Iterator[torch.Tensor]:
             yield torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _tokenize(splits: dict[str, list[tuple[str, int, int]]], output_dir: Path) -> None:
+def _encode_tokens(piece: tuple[str, int, int], tokenizer: Tokenizer) -> Iterator[torch.Tensor]:
+    """litdata `optimize` worker for a tokenizer other than bytes: yield the token ids of a byte
+    range of one file, read 4 MiB at a time and cut only where the tokenizer's pre-tokenizer ends a
+    token anyway (`tokenizer.split_text`), so the ids are those of the whole range at once."""
+    path, start, end = piece
+    carry = b""
+    with open(path, "rb") as f:
+        f.seek(start)
+        while start < end:
+            data = f.read(min(_READ_BYTES, end - start))
+            if not data:  # the file shrank since it was listed
+                break
+            start += len(data)
+            data = carry + data
+            cut = tokenizers.safe_cut(data) if start < end else len(data)
+            carry, data = (data[cut:], data[:cut]) if cut > 0 else (b"", data)
+            if data:
+                yield tokenizer.encode(data)
+    if carry:
+        yield tokenizer.encode(carry)
+
+
+def _tokenize_with(
+    tokenizer: Tokenizer, splits: dict[str, list[tuple[str, int, int]]], output_dir: Path
+) -> None:
+    """`_tokenize` with `tokenizer`, then how many bytes a sample's tokens stand for against the
+    sample's own bytes (`tokenizer.coverage`), written to `coverage.json` for the meta file. Meant
+    to run in a child process: the tokenizer's thread pool stays out of the training process."""
+    _tokenize(splits, output_dir, partial(_encode_tokens, tokenizer=tokenizer))
+    sample = tokenizers.read_head(splits["train"], tokenizers.COVERAGE_SAMPLE_BYTES)
+    (output_dir / "coverage.json").write_text(json.dumps(tokenizers.coverage(tokenizer, sample)))
+
+
+def _tokenize(
+    splits: dict[str, list[tuple[str, int, int]]],
+    output_dir: Path,
+    read: Callable[[tuple[str, int, int]], Iterator[torch.Tensor]] = _read_tokens,
+) -> None:
     """Run litdata `optimize` once per split; meant to run in a child process (see `_in_child`)."""
     # litdata stages files in $TMPDIR/chunks and $TMPDIR/data and deletes both on every run, even
     # those of other jobs: point them into our own temporary folder.
@@ -217,7 +268,7 @@ def _tokenize(splits: dict[str, list[tuple[str, int, int]]], output_dir: Path) -
         # One worker, inputs in order: the token stream is the files in sorted order, the same on
         # every run (several workers would interleave files in whatever order they finish).
         optimize(
-            fn=_read_tokens,
+            fn=read,
             inputs=pieces,
             output_dir=str(output_dir / split),
             chunk_bytes=_CHUNK_BYTES,
@@ -244,36 +295,23 @@ def _in_child(fn: Callable[..., None], *args: Any) -> None:
         pool.submit(fn, *args).result()
 
 
-def _too_short(split: str, size: int, block: int) -> ValueError:
+def _too_short(split: str, size: int, block: int, unit: str = "bytes") -> ValueError:
     if block <= 1:
         return ValueError(
             f"The {split} split of the corpus is empty; change data.val_fraction or give more text."
         )
     return ValueError(
-        f"The {split} split of the corpus has {size} bytes, fewer than one sequence of "
-        f"data.seq_len + 1 = {block} bytes; lower data.seq_len or data.val_fraction, "
+        f"The {split} split of the corpus has {size} {unit}, fewer than one sequence of "
+        f"data.seq_len + 1 = {block} {unit}; lower data.seq_len or data.val_fraction, "
         "or give more text."
     )
 
 
-def prepare_corpus(
-    source: str | list[str] | None = None,
-    cache_dir: str | Path = "data_cache",
-    val_fraction: float = 0.05,
-    max_bytes: int | None = None,
-    seq_len: int | None = None,
-) -> Path | str:
-    """Tokenize `source` into `cache_dir/<hash>/{train,val}` once; return that folder.
-
-    A complete cache for the same files is reused as is. Writing goes to a temporary folder renamed
-    into place at the end, so an interrupted run never leaves a cache that looks complete. An
-    already optimized `source` (see `optimized_dir`) is returned unchanged (a URI stays a string).
-    With `seq_len`, each split must hold at least one sequence of `seq_len + 1` bytes.
-    """
-    _check_fraction(val_fraction)
-    source = _local_uris(source)
-    if (ready := optimized_dir(source)) is not None:
-        return ready if _is_remote(ready) else Path(ready)
+def _plan(
+    source: str | list[str] | None, val_fraction: float, max_bytes: int | None, seq_len: int | None
+) -> tuple[list[Path], dict[str, list[tuple[str, int, int]]], dict[str, int], int | None]:
+    """The files of a text `source`, their byte ranges per split, the bytes per split and the
+    byte cap in force; one sentence if the corpus is empty or a split shorter than a sequence."""
     if max_bytes is None and source is None:
         max_bytes = DEFAULT_STDLIB_MAX_BYTES
     if max_bytes is not None and max_bytes < 1:
@@ -289,7 +327,35 @@ def prepare_corpus(
     for name, size in sizes.items():
         if size < (seq_len or 0) + 1:
             raise _too_short(name, size, (seq_len or 0) + 1)
-    target = Path(cache_dir).expanduser().resolve() / _corpus_hash(files, val_fraction, max_bytes)
+    return files, splits, sizes, max_bytes
+
+
+def prepare_corpus(
+    source: str | list[str] | None = None,
+    cache_dir: str | Path = "data_cache",
+    val_fraction: float = 0.05,
+    max_bytes: int | None = None,
+    seq_len: int | None = None,
+    tokenizer: str = tokenizers.BYTES,
+) -> Path | str:
+    """Tokenize `source` into `cache_dir/<hash>/{train,val}` once; return that folder.
+
+    A complete cache for the same files and tokenizer is reused as is. Writing goes to a temporary
+    folder renamed into place at the end, so an interrupted run never leaves a cache that looks
+    complete. An already optimized `source` (see `optimized_dir`) is returned unchanged (a URI stays
+    a string). With `seq_len`, each split must hold at least one sequence of `seq_len + 1` bytes.
+    `tokenizer` is "bytes", "bpe:<vocab size>" (trained on the training split, cached under
+    `cache_dir/tokenizers/`) or the path of a Hugging Face tokenizer.json.
+    """
+    _check_fraction(val_fraction)
+    source = _local_uris(source)
+    if (ready := optimized_dir(source)) is not None:
+        prepared_tokenizer(ready, tokenizer)  # refuses a tokenizer the folder was not made with
+        return ready if _is_remote(ready) else Path(ready)
+    files, splits, sizes, max_bytes = _plan(source, val_fraction, max_bytes, seq_len)
+    tok = _corpus_tokenizer(tokenizer, files, splits, val_fraction, max_bytes, cache_dir)
+    key = None if tok.key == tokenizers.BYTES else tok.key
+    target = Path(cache_dir).expanduser().resolve() / _corpus_hash(files, val_fraction, max_bytes, key)
     if (target / _META).is_file():
         return target
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -300,14 +366,22 @@ def prepare_corpus(
     except OSError as error:
         raise _unwritable(cache_dir, error) from None
     try:
-        _in_child(_tokenize, splits, tmp)
+        if key is None:
+            _in_child(_tokenize, splits, tmp)
+        else:
+            _in_child(_tokenize_with, tok, splits, tmp)
+            (tmp / _TOKENIZER).write_text(tok.json_text, encoding="utf-8")
         meta = {
             "source": source or "stdlib",
             "files": len(files),
             "val_fraction": val_fraction,
             "max_bytes": max_bytes,
             **{f"{name}_bytes": size for name, size in sizes.items()},
+            "tokenizer": tok.spec,
+            "vocab_size": tok.vocab_size,
         }
+        if key is not None:
+            meta["coverage"] = _coverage(tmp, tok)
         (tmp / _META).write_text(json.dumps(meta, indent=1))
         try:
             tmp.rename(target)
@@ -317,6 +391,122 @@ def prepare_corpus(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def load_tokenizer(
+    spec: str = tokenizers.BYTES,
+    source: str | list[str] | None = None,
+    cache_dir: str | Path = "data_cache",
+    val_fraction: float = 0.05,
+    max_bytes: int | None = None,
+) -> Tokenizer:
+    """The tokenizer `spec` names for this corpus (see `prepare_corpus`). A BPE is trained on the
+    corpus's training split the first time and read from `cache_dir/tokenizers/` after that; an
+    already tokenized `source` brings its own."""
+    _check_fraction(val_fraction)
+    source = _local_uris(source)
+    if (ready := optimized_dir(source)) is not None:
+        return prepared_tokenizer(ready, spec)
+    kind, _ = tokenizers.parse_spec(spec)
+    if kind == tokenizers.BYTES:
+        return Tokenizer()
+    if kind == "file":
+        return tokenizers.load_file(spec)
+    files, splits, _, max_bytes = _plan(source, val_fraction, max_bytes, None)
+    return _corpus_tokenizer(spec, files, splits, val_fraction, max_bytes, cache_dir)
+
+
+def _corpus_tokenizer(
+    spec: str,
+    files: list[Path],
+    splits: dict[str, list[tuple[str, int, int]]],
+    val_fraction: float,
+    max_bytes: int | None,
+    cache_dir: str | Path,
+) -> Tokenizer:
+    kind, vocab_size = tokenizers.parse_spec(spec)
+    if kind == tokenizers.BYTES:
+        return Tokenizer()
+    if kind == "file":
+        return tokenizers.load_file(spec)
+    # Keyed by everything the merges depend on: the training split, the vocabulary size, the
+    # sample size and the recipe's version.
+    settings = [tokenizers.BPE_VERSION, _corpus_hash(files, val_fraction, max_bytes), vocab_size,
+                tokenizers.BPE_SAMPLE_BYTES]
+    key = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
+    folder = Path(cache_dir).expanduser().resolve() / "tokenizers"
+    file = folder / f"bpe{vocab_size}-{key}.json"
+    if not file.is_file():
+        tmp = folder / f".{file.name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder.parent / _CACHEDIR_TAG).write_text(_CACHEDIR_SIGNATURE)
+        except OSError as error:
+            raise _unwritable(cache_dir, error) from None
+        try:
+            sample = tokenizers.sample_pieces(splits["train"], tokenizers.BPE_SAMPLE_BYTES)
+            _in_child(_train_bpe, sample, vocab_size, tmp)
+            tmp.replace(file)  # atomic: a concurrent run that trained the same BPE wrote the same
+        finally:
+            tmp.unlink(missing_ok=True)
+    return HFTokenizer(file.read_text(encoding="utf-8"), spec=spec)
+
+
+def _train_bpe(pieces: list[tuple[str, int, int]], vocab_size: int, out: Path) -> None:
+    """Train the BPE on `pieces` and write its tokenizer.json (in a child process, see `_in_child`:
+    the trainer's thread pool would otherwise make every later fork of this process warn)."""
+    texts = (data.decode("utf-8", errors="replace") for data in tokenizers.read_pieces(pieces))
+    out.write_text(tokenizers.train_bpe(texts, vocab_size), encoding="utf-8")
+
+
+def prepared_tokenizer(root: str, spec: str = tokenizers.BYTES) -> Tokenizer:
+    """The tokenizer an already tokenized folder was made with (its tokenizer.json; bytes without
+    one); one sentence if `spec` names another. An object store's folder is not read here: it is
+    taken to hold what `spec` names, which must then be bytes or a tokenizer.json."""
+    kind, _ = tokenizers.parse_spec(spec)
+    if _is_remote(root):
+        if kind == "bpe":
+            raise ValueError(
+                f"data.source {root!r} is already tokenized, and data.tokenizer={spec!r} would train "
+                "a BPE on text; give the tokenizer.json the folder was tokenized with instead."
+            )
+        return Tokenizer() if kind == tokenizers.BYTES else tokenizers.load_file(spec)
+    folder = Path(root)
+    try:
+        meta = json.loads((folder / _META).read_text())
+    except (OSError, ValueError):
+        meta = {}
+    if (folder / _TOKENIZER).is_file():
+        made_with: Tokenizer = HFTokenizer(
+            (folder / _TOKENIZER).read_text(encoding="utf-8"), meta.get("tokenizer", str(folder / _TOKENIZER))
+        )
+    else:
+        made_with = Tokenizer()
+    if kind == tokenizers.BYTES or spec == made_with.spec:
+        return made_with
+    if kind == "file" and tokenizers.load_file(spec).key == made_with.key:
+        return made_with
+    raise ValueError(
+        f"data.source {root!r} was tokenized with {made_with.describe()}, not data.tokenizer="
+        f"{spec!r}; leave data.tokenizer at its default to use the folder's own, or give the text "
+        "to tokenize it again."
+    )
+
+
+def _coverage(folder: Path, tokenizer: Tokenizer) -> dict[str, float]:
+    """The bytes a sample's tokens stand for against its own (written by `_tokenize_with`), and a
+    warning when they differ: bits per byte is then per decoded byte, not per byte of the text."""
+    file = folder / "coverage.json"
+    found = json.loads(file.read_text())
+    file.unlink()
+    if abs(found["token_bytes"] - found["bytes"]) > 0.001 * found["bytes"]:
+        warnings.warn(
+            f"{tokenizer.describe()} turns {found['bytes']} bytes of the corpus into tokens that stand "
+            f"for {found['token_bytes']} bytes (it normalizes text or its ids lack definite bytes), so "
+            "bits per byte counts the bytes its tokens decode to; a byte-level tokenizer avoids this.",
+            stacklevel=2,
+        )
+    return found
 
 
 def _unwritable(cache_dir: str | Path, error: OSError) -> ValueError:
@@ -346,7 +536,8 @@ def _unreachable(root: str, error: Exception) -> ValueError:
 
 
 def token_counts(prepared: str | Path) -> dict[str, int]:
-    """Number of tokens (bytes) in the train and val splits of a prepared folder."""
+    """Number of tokens (bytes, for the byte tokenizer) in the train and val splits of a prepared
+    folder."""
     return {split: sum(c["dim"] for c in _chunks(Path(prepared) / split)) for split in ("train", "val")}
 
 
@@ -372,17 +563,16 @@ _FULL_SHUFFLE = (
 
 
 def _collate(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """Stack uint8 blocks into the LongTensor (batch, seq_len + 1) the model embeds."""
+    """Stack blocks of token ids into the LongTensor (batch, seq_len + 1) the model embeds."""
     return torch.stack(blocks).long()
 
 
 class ByteDataModule(L.LightningDataModule):
-    """Byte-level text (vocab 256) tokenized once into litdata chunks and streamed in blocks.
+    """Text tokenized once into litdata chunks and streamed in blocks: bytes (vocab 256) by default,
+    or the tokenizer `tokenizer` names.
 
-    Batches are LongTensors (batch_size, seq_len + 1) of byte values 0..255.
+    Batches are LongTensors (batch_size, seq_len + 1) of token ids 0..vocab_size - 1.
     """
-
-    vocab_size: int = 256
 
     def __init__(
         self,
@@ -394,13 +584,14 @@ class ByteDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 42,
         max_bytes: int | None = None,
+        tokenizer: str = tokenizers.BYTES,
     ) -> None:
         """
         Args:
             source: Text to train on: a file, a directory (all text files under it), a glob, or a
                 list of these; or a folder with train/ and val/ already optimized by litdata, or an
                 object-store URI (s3://...) holding them. None: this Python's standard library.
-            seq_len: Tokens (bytes) of context per sample; each sample has seq_len + 1 bytes.
+            seq_len: Tokens of context per sample; each sample has seq_len + 1 tokens.
             batch_size: Samples per batch on each device.
             val_fraction: Fraction of every file, taken from its end, held out for validation.
             cache_dir: Folder for the tokenized corpus; one subfolder per distinct corpus.
@@ -408,6 +599,10 @@ class ByteDataModule(L.LightningDataModule):
             seed: Seed of the training shuffle (reshuffled every epoch).
             max_bytes: Use at most this many bytes of the corpus, files in sorted order; None: all
                 of it (the standard library is capped at 64 MiB).
+            tokenizer: "bytes" (one token per byte, vocab 256); "bpe:<vocab size>", a byte-level
+                BPE trained here on the training split (at most 8 MiB of it, evenly spaced files)
+                and cached under cache_dir/tokenizers; or the path of a Hugging Face tokenizer.json.
+                model.vocab_size follows it.
         """
         super().__init__()
         if seq_len < 2:
@@ -421,18 +616,40 @@ class ByteDataModule(L.LightningDataModule):
         self.source, self.seq_len, self.batch_size = source, seq_len, batch_size
         self.val_fraction, self.cache_dir, self.max_bytes = val_fraction, cache_dir, max_bytes
         self.num_workers, self.seed = num_workers, seed
+        tokenizers.parse_spec(tokenizer)  # a malformed spec is refused before anything is read
+        self.tokenizer_spec = tokenizer
+        self._tokenizer: Tokenizer | None = None
         self.train_set: StreamingDataset | None = None
         self.val_set: StreamingDataset | None = None
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer of the data; a BPE is trained here the first time it is asked for (the
+        command line asks at once, to size the model's vocabulary)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(
+                self.tokenizer_spec, self.source, self.cache_dir, self.val_fraction, self.max_bytes
+            )
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids of the tokenizer: 256 for bytes."""
+        return self.tokenizer.vocab_size
+
+    def _prepare(self) -> Path | str:
+        return prepare_corpus(self.source, self.cache_dir, self.val_fraction, self.max_bytes,
+                              self.seq_len, self.tokenizer_spec)
+
     def prepare_data(self) -> None:
         """Tokenize the corpus (once per node: Lightning calls this on local rank 0 only)."""
-        prepare_corpus(self.source, self.cache_dir, self.val_fraction, self.max_bytes, self.seq_len)
+        self._prepare()
 
     def setup(self, stage: str | None = None) -> None:
         """Open the prepared splits as streaming datasets (on every rank, after `prepare_data`)."""
         # A complete cache is found by its hash, so this only re-tokenizes if `prepare_data` did not
         # run on this machine (e.g. `prepare_data_per_node=False` without a shared file system).
-        root = prepare_corpus(self.source, self.cache_dir, self.val_fraction, self.max_bytes, self.seq_len)
+        root = self._prepare()
         self.train_set = self._dataset(root, "train", shuffle=True)
         self.val_set = self._dataset(root, "val", shuffle=False)
 
@@ -445,7 +662,8 @@ class ByteDataModule(L.LightningDataModule):
         else:
             chunks = _chunks(Path(root, split))
             if sum(c["dim"] // block for c in chunks) == 0:  # blocks never straddle two chunks
-                raise _too_short(split, sum(c["dim"] for c in chunks), block)
+                unit = "bytes" if self.tokenizer.key == tokenizers.BYTES else "tokens"
+                raise _too_short(split, sum(c["dim"] for c in chunks), block, unit)
         try:
             return StreamingDataset(
                 f"{root}/{split}",

@@ -1,0 +1,340 @@
+"""Tokenizers: raw bytes (the default), a Hugging Face `tokenizer.json`, or a byte-level BPE
+trained here on the training split of the corpus.
+
+`data.tokenizer` names one:
+
+    bytes          one token per byte, vocabulary 256 (no dependency, no training)
+    bpe:<vocab>    a byte-level BPE (GPT-2's pre-tokenizer and byte alphabet, no normalizer) with
+                   <vocab> ids, trained offline on the corpus's training split and cached
+    <path>         the tokenizer.json of any Hugging Face `tokenizers` tokenizer
+
+Whatever the tokenizer, the data, the metric and generation share one `Tokenizer` object. The
+metric stays comparable across tokenizers because it is per byte: every token id knows the bytes it
+stands for (`token_bytes`), so a batch's loss summed over its target tokens is divided by the bytes
+those tokens cover. A checkpoint keeps its tokenizer as plain data (`saved()`, the tokenizer.json
+text), which loads under `torch.load(weights_only=True)`, so generation needs nothing but the
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Iterator
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+BYTES = "bytes"
+_BPE = re.compile(r"bpe:(\d+)")
+# Ids fit the narrowest dtype litdata stores: chunks of a 4096-id BPE take 2 bytes per token.
+_INT16_MAX_VOCAB = 2**15
+# Bump when the BPE recipe below changes, so cached BPE models are not reused.
+BPE_VERSION = 1
+# The BPE is trained on at most this many bytes of the training split, taken as evenly spaced
+# files so that every part of the corpus is represented: on the default corpus (the standard
+# library, about 30 MB) training on all of it takes minutes on 2 cores; 8 MiB takes seconds and
+# gives the same merges for the frequent pairs that a few thousand ids can hold.
+BPE_SAMPLE_BYTES = 8 * 2**20
+# Corpus bytes that `coverage` compares with the bytes its tokens stand for.
+COVERAGE_SAMPLE_BYTES = 2**20
+_WHITESPACE = b" \t\n\r\x0b\x0c"
+
+
+class Tokenizer:
+    """Raw bytes: token id = byte value, vocabulary 256."""
+
+    spec = BYTES
+    vocab_size = 256
+
+    @property
+    def key(self) -> str:
+        """Identity of the tokenizer: the same key means the same ids for the same text."""
+        return BYTES
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The narrowest integer dtype that holds every id, for the litdata chunks."""
+        if self.vocab_size <= 256:
+            return torch.uint8
+        return torch.int16 if self.vocab_size <= _INT16_MAX_VOCAB else torch.int32
+
+    def encode(self, data: bytes) -> torch.Tensor:
+        """The token ids of `data` (UTF-8 text; other tokenizers replace invalid bytes)."""
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def decode(self, ids: Iterable[int]) -> bytes:
+        """The bytes `ids` stand for."""
+        table = self.token_bytes
+        return b"".join(table[i] for i in ids)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for, indexed by id."""
+        return [bytes([i]) for i in range(256)]
+
+    @cached_property
+    def byte_lengths(self) -> torch.Tensor:
+        """How many bytes each id stands for: the denominator of bits per byte."""
+        return torch.tensor([len(b) for b in self.token_bytes], dtype=torch.long)
+
+    def saved(self) -> dict:
+        """Plain data for a checkpoint (`load_saved` reads it back)."""
+        return {"spec": self.spec}
+
+    def describe(self) -> str:
+        return f"data.tokenizer={self.spec!r} ({self.vocab_size} ids)"
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers` tokenizer, built from its tokenizer.json text."""
+
+    def __init__(self, json_text: str, spec: str) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        try:
+            self.hf = _Tokenizer.from_str(json_text)
+        except Exception as error:
+            raise ValueError(
+                f"{spec} is not a Hugging Face tokenizer.json ({str(error)[:120]}); give the "
+                "tokenizer.json file of a `tokenizers` tokenizer, 'bytes', or 'bpe:<vocab size>'."
+            ) from None
+        self.json_text = json_text
+        self.spec = spec
+        vocab = self.hf.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+
+    def __getstate__(self) -> dict:  # for a child process: the JSON text rebuilds the rest
+        return {"json_text": self.json_text, "spec": self.spec}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["json_text"], state["spec"])
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(self.json_text.encode()).hexdigest()[:16]
+
+    def encode(self, data: bytes) -> torch.Tensor:
+        pieces = [p.decode("utf-8", errors="replace") for p in split_text(data)]
+        ids = [i for e in self.hf.encode_batch(pieces, add_special_tokens=False) for i in e.ids]
+        return torch.tensor(ids, dtype=self.dtype)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        return vocabulary_bytes(self.hf, self.vocab_size)
+
+    def saved(self) -> dict:
+        return {"spec": self.spec, "json": self.json_text}
+
+
+def vocabulary_bytes(hf, vocab_size: int) -> list[bytes]:
+    """The bytes each id of a `tokenizers.Tokenizer` stands for.
+
+    Exact for byte-level tokenizers (GPT-2's alphabet, as our BPE uses), for byte-fallback ids
+    (`<0xNN>`) and for added tokens (kept verbatim); for other tokenizers it is the UTF-8 of the
+    id decoded on its own, with SentencePiece's word marker counted as the space it stands for.
+    `coverage` measures how close that comes on real text.
+    """
+    config = json.loads(hf.to_str())
+    decoders = _component_types(config.get("decoder"))
+    byte_level = "ByteLevel" in decoders
+    added = {t.content for t in hf.get_added_tokens_decoder().values()}
+    table = [b""] * vocab_size
+    for piece, i in hf.get_vocab(with_added_tokens=True).items():
+        if piece in added:
+            table[i] = piece.encode()
+        elif byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            table[i] = bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        elif fallback := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            table[i] = bytes([int(fallback[1], 16)])
+        elif "Metaspace" in decoders:
+            table[i] = piece.replace("\u2581", " ").encode()
+        else:
+            table[i] = hf.decode([i], skip_special_tokens=False).encode()
+    return table
+
+
+def _component_types(component: dict | None) -> set[str]:
+    """The types of a tokenizer.json component, looking inside a `Sequence`."""
+    if not isinstance(component, dict):
+        return set()
+    inner = component.get("decoders") or component.get("pretokenizers") or []
+    return {component.get("type")} | {t for c in inner for t in _component_types(c)}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 byte values onto printable characters."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def split_text(data: bytes, target: int = 1 << 16) -> list[bytes]:
+    """`data` cut into pieces of about `target` bytes, only before a newline that follows a
+    non-whitespace byte: the GPT-2 pre-tokenizer ends a pre-token there anyway (and a whitespace
+    run that starts with the newline sees the same text after it), so encoding the pieces gives
+    the same ids as encoding the whole, and a UTF-8 character is never cut."""
+    pieces, start = [], 0
+    while len(data) - start > target:
+        cut = safe_cut(data, start + target)
+        if cut <= start:
+            match = _CUT.search(data, start + target)
+            cut = match.start() + 1 if match else len(data)
+        pieces.append(data[start:cut])
+        start = cut
+    pieces.append(data[start:])
+    return [p for p in pieces if p]
+
+
+_CUT = re.compile(rb"[^ \t\n\r\x0b\x0c]\n")
+
+
+def safe_cut(data: bytes, end: int | None = None) -> int:
+    """The last position <= `end` of a newline that follows a non-whitespace byte (where
+    `split_text` may cut); 0 if there is none."""
+    i = data.rfind(b"\n", 0, len(data) if end is None else end + 1)
+    while i > 0:
+        if data[i - 1] not in _WHITESPACE:
+            return i
+        i = data.rfind(b"\n", 0, i)
+    return 0
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """("bytes", None), ("bpe", vocab size) or ("file", None) for a `data.tokenizer` value."""
+    if spec == BYTES:
+        return BYTES, None
+    if spec.startswith("bpe"):
+        match = _BPE.fullmatch(spec)
+        if not match or int(match[1]) <= 256:
+            raise ValueError(
+                f"data.tokenizer={spec!r} is not a BPE the data can train; write 'bpe:<vocab size>' "
+                "with a vocabulary above the 256 byte values, e.g. 'bpe:4096'."
+            )
+        return "bpe", int(match[1])
+    return "file", None
+
+
+def load_file(path: str) -> HFTokenizer:
+    """A Hugging Face tokenizer from its tokenizer.json."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"data.tokenizer={path!r} is neither 'bytes', 'bpe:<vocab size>' nor an existing "
+            "tokenizer.json file; give one of these."
+        )
+    return HFTokenizer(file.read_text(encoding="utf-8"), spec=str(file))
+
+
+def load_saved(saved: object) -> Tokenizer:
+    """The tokenizer a checkpoint keeps (`Tokenizer.saved()`); bytes for checkpoints without one."""
+    if saved is None:
+        return Tokenizer()
+    if not isinstance(saved, dict) or not isinstance(saved.get("spec"), str):
+        raise ValueError(
+            "The checkpoint's tokenizer entry is not one nag-lightning writes; give a checkpoint "
+            "written by `nag-lightning fit`."
+        )
+    if saved["spec"] == BYTES:
+        return Tokenizer()
+    if not isinstance(saved.get("json"), str):
+        raise ValueError(
+            f"The checkpoint names the tokenizer {saved['spec']!r} but does not hold it; give a "
+            "checkpoint written by `nag-lightning fit`."
+        )
+    return HFTokenizer(saved["json"], saved["spec"])
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
+    """Train a byte-level BPE of `vocab_size` ids on `texts`; return its tokenizer.json text.
+
+    GPT-2's recipe, as nanochat and most byte-level BPEs follow it: no normalizer, the GPT-2 regex
+    pre-tokenizer over its byte alphabet (all 256 byte values are ids, so any text encodes, and
+    every id stands for definite bytes), merges learned until `vocab_size` ids, no special tokens.
+    """
+    from tokenizers import Tokenizer as _Tokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = _Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=[],
+    )
+    hf.train_from_iterator(texts, trainer=trainer)
+    return hf.to_str()
+
+
+def sample_pieces(pieces: list[tuple[str, int, int]], limit: int) -> list[tuple[str, int, int]]:
+    """At most `limit` bytes of `pieces` (path, start, end): every k-th piece, k chosen so that
+    they hold about `limit` bytes, spread over the whole corpus; the last one possibly cut."""
+    total = sum(end - start for _, start, end in pieces)
+    every = -(-total // limit)  # ceil
+    kept, room = [], limit
+    for path, start, end in pieces[::every]:
+        if room <= 0:
+            break
+        kept.append((path, start, min(end, start + room)))
+        room -= kept[-1][2] - start
+    return kept
+
+
+def read_pieces(pieces: Iterable[tuple[str, int, int]]) -> Iterator[bytes]:
+    """The bytes of each (path, start, end)."""
+    for path, start, end in pieces:
+        with open(path, "rb") as f:
+            f.seek(start)
+            yield f.read(end - start)
+
+
+def read_head(pieces: Iterable[tuple[str, int, int]], limit: int) -> bytes:
+    """The first `limit` bytes of the concatenated pieces."""
+    head, room = [], limit
+    for path, start, end in pieces:
+        if room <= 0:
+            break
+        head += read_pieces([(path, start, min(end, start + room))])
+        room -= len(head[-1])
+    return b"".join(head)
+
+
+def coverage(tokenizer: Tokenizer, data: bytes) -> dict[str, float]:
+    """How many bytes the tokens of `data` stand for, against `data`'s own length: equal for a
+    lossless tokenizer whose ids have definite bytes, so bits per byte is exact."""
+    ids = tokenizer.encode(data)
+    lengths = tokenizer.byte_lengths
+    return {"bytes": len(data), "tokens": len(ids), "token_bytes": int(lengths[ids.long()].sum())}
+
+
+class StreamDecoder:
+    """Decodes token ids one at a time into text, holding back the bytes of an unfinished UTF-8
+    character until the ids that complete it arrive (a BPE id may end inside a character)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        """The text that `token` completes (possibly empty)."""
+        return self._utf8.decode(self.tokenizer.token_bytes[token])
+
+    def flush(self) -> str:
+        """What is left, invalid bytes replaced."""
+        return self._utf8.decode(b"", final=True)
