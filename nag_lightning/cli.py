@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
@@ -25,6 +26,7 @@ from nag_lightning.module import NAGLanguageModel, architecture_differences
 from nag_lightning.trust import TRUST_HELP, check_plugins, read_checkpoint
 
 CHECKPOINT_ALIASES = ("last", "best", "hpc", "registry")
+VOCAB_OPTION = "--model.vocab_size"
 
 
 class NagCLI(LightningCLI):
@@ -32,12 +34,47 @@ class NagCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.seq_len", "data.seq_len")
+        # The vocabulary follows the tokenizer, known once the data module exists (a BPE is
+        # trained then), so the link applies at instantiation.
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.monitor": "val/bpb",
                              "checkpoint.filename": "step{step}-bpb{val/bpb:.4f}",
                              "checkpoint.auto_insert_metric_name": False})
         parser.add_lightning_class_args(DepthDiagnostics, "depth")
         parser.add_argument("--trust_checkpoint", type=bool, default=False, help=TRUST_HELP)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        """LightningCLI's parsing, with a `--model.vocab_size` on the command line set aside (the
+        link from data.tokenizer owns that setting) to be checked against the tokenizer."""
+        self._typed_vocab_size = None
+        if isinstance(args, (dict, Namespace)):
+            return super().parse_arguments(parser, args)
+        argv, typed = _without_option(list(sys.argv[1:] if args is None else args), VOCAB_OPTION)
+        if typed is None:
+            return super().parse_arguments(parser, args)
+        try:
+            self._typed_vocab_size = int(typed)
+        except ValueError:
+            raise ValueError(
+                f"model.vocab_size={typed!r} is not a number of token ids; leave it out: it follows "
+                "data.tokenizer."
+            ) from None
+        self.config = parser.parse_args(argv)
+
+    def instantiate_classes(self) -> None:
+        """LightningCLI's, then one sentence if a vocabulary size given in a config or on the
+        command line differs from the tokenizer's (the link would silently replace it)."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        typed = self._typed_vocab_size or config.model.get("vocab_size")
+        super().instantiate_classes()
+        needed = getattr(self.datamodule, "vocab_size", None)
+        if typed is not None and needed is not None and typed != needed:
+            raise ValueError(
+                f"model.vocab_size={typed} does not match the {needed} token ids of "
+                f"data.tokenizer={self.datamodule.tokenizer.spec!r}; leave model.vocab_size out: it "
+                "follows data.tokenizer."
+            )
 
     def before_instantiate_classes(self) -> None:
         """Refuse a step limit that would train nothing (Lightning keeps -1 for no limit)."""
@@ -77,6 +114,8 @@ class NagCLI(LightningCLI):
             check_architecture(ckpt_path, model_config, saved)
         saved.pop("_instantiator", None)
         saved.pop("_class_path", None)  # the model class is fixed: NAGLanguageModel
+        # set by the link from data.tokenizer; the model checks the checkpoint's tokenizer on load
+        saved.pop("vocab_size", None)
         replaced = replaced_settings(saved, model_config)
         if replaced:
             advice = ("; to train with other settings, start a new run without ckpt_path"
@@ -85,6 +124,21 @@ class NagCLI(LightningCLI):
                  f"run's: {', '.join(replaced)}{advice}.")
         if saved:
             self.config = self.parser.parse_object({subcommand: {"model": saved}}, self.config)
+
+
+def _without_option(argv: list[str], option: str) -> tuple[list[str], str | None]:
+    """`argv` without `option` (as `option=value` or `option value`), and its last value."""
+    kept, value, i = [], None, 0
+    while i < len(argv):
+        if argv[i].startswith(option + "="):
+            value = argv[i].split("=", 1)[1]
+        elif argv[i] == option and i + 1 < len(argv):
+            value = argv[i + 1]
+            i += 1
+        else:
+            kept.append(argv[i])
+        i += 1
+    return kept, value
 
 
 def check_architecture(ckpt_path: str, model_config: dict, saved: dict | None = None) -> None:

@@ -1,7 +1,11 @@
-"""The LightningModule: a `Transformer` trained as a byte-level language model.
+"""The LightningModule: a `Transformer` trained as a language model on the data's tokens.
 
-Loss is cross-entropy on next-byte prediction, reported as bits per byte (loss / ln 2). AdamW with
-linear warmup and cosine decay; gradient clipping is the Trainer's (`trainer.gradient_clip_val`).
+Loss is cross-entropy on next-token prediction. The reported metric is bits per byte: the loss
+summed over the target tokens, in bits, divided by the bytes those tokens stand for, so runs on
+different tokenizers compare (for bytes it is loss / ln 2); the loss per token is logged beside it.
+AdamW with linear warmup, then cosine decay over the steps, or warmup-stable-decay (WSD) whose decay
+fills the last `decay_fraction` of a FLOP budget; gradient clipping is the Trainer's
+(`trainer.gradient_clip_val`).
 """
 
 from __future__ import annotations
@@ -15,26 +19,31 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from nag_lightning import tokenizer as tokenizers
+from nag_lightning.callbacks.budget import FlopBudget
 from nag_lightning.callbacks.projection import WeightProjection
 from nag_lightning.model import SUBLAYER_KINDS, Transformer, TransformerConfig
 from nag_lightning.residuals import ResidualStrategy
+from nag_lightning.tokenizer import Tokenizer
 
 # The settings a checkpoint's weights depend on; resuming with any of them changed cannot work.
 ARCHITECTURE_FIELDS = (
     "vocab_size", "d_model", "n_layers", "n_heads", "mlp_ratio", "residual", "router",
     "route_kinds", "route_layers",
 )
+SCHEDULES = ("cosine", "wsd")
 
 
 class BitsPerByte(MeanMetric):
-    """Token-weighted mean of the next-byte cross-entropy, in bits (nats / ln 2)."""
+    """Cross-entropy per byte, in bits: update with (loss per byte in nats, bytes) per batch, so the
+    result is the loss summed over all target tokens over the bytes they stand for, / ln 2."""
 
     def compute(self) -> Tensor:
         return super().compute() / math.log(2)
 
 
 class NAGLanguageModel(L.LightningModule):
-    """Byte-level Transformer language model with a pluggable residual stream and router.
+    """Transformer language model with a pluggable residual stream and router.
 
     Args:
         d_model: residual width.
@@ -50,12 +59,19 @@ class NAGLanguageModel(L.LightningModule):
         router_options: keyword options of the router (e.g. capacity, tau, target_rate).
         route_kinds: which sublayer kinds are routed: "attn", "mlp" or both.
         route_layers: which blocks are routed: "all", "every_other" or a list of block indices.
-        vocab_size: number of token ids (256 for bytes).
+        vocab_size: number of token ids (256 for bytes); the command line sets it from
+            data.tokenizer.
         init_std: standard deviation of linear weights at init.
         embed_std: standard deviation of the token embedding at init.
         lr: peak learning rate.
-        min_lr_ratio: final learning rate of the cosine decay, as a fraction of lr.
+        min_lr_ratio: final learning rate of the decay, as a fraction of lr.
         warmup_steps: linear warmup steps.
+        schedule: "cosine": after warmup, cosine decay to min_lr_ratio at the last step
+            (trainer.max_steps, or the steps of max_epochs). "wsd" (warmup-stable-decay): after
+            warmup, lr holds until the last `decay_fraction` of the run, then falls linearly to
+            min_lr_ratio; the run's progress is the fraction of the FLOP budget spent when a
+            FlopBudget callback is present, else the fraction of the steps.
+        decay_fraction: the final fraction of the run (FLOP budget or steps) WSD decays over.
         weight_decay: AdamW weight decay of matrices (gains, scalars and embeddings get none).
         betas: AdamW betas.
         aux_loss_weight: weight of the routers' auxiliary losses in the training loss.
@@ -80,6 +96,8 @@ class NAGLanguageModel(L.LightningModule):
         lr: float = 3e-3,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 50,
+        schedule: str = "cosine",
+        decay_fraction: float = 0.2,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         aux_loss_weight: float = 1.0,
@@ -99,18 +117,50 @@ class NAGLanguageModel(L.LightningModule):
                 "Need lr > 0, warmup_steps >= 0 and min_lr_ratio in [0, 1]; got "
                 f"lr={lr}, warmup_steps={warmup_steps}, min_lr_ratio={min_lr_ratio}."
             )
+        if schedule not in SCHEDULES or not 0 < decay_fraction <= 1:
+            raise ValueError(
+                f"model.schedule must be one of {', '.join(SCHEDULES)} and model.decay_fraction in "
+                f"(0, 1]; got schedule={schedule!r}, decay_fraction={decay_fraction}."
+            )
         self.model = Transformer(self.config)
-        self.val_bpb = BitsPerByte()
+        self.val_bpb, self.val_loss = BitsPerByte(), MeanMetric()
+        self.test_bpb, self.test_loss = BitsPerByte(), MeanMetric()
+        # The tokenizer of the data (from the data module at setup, or from a checkpoint): its
+        # per-id byte counts turn the loss into bits per byte, and generation encodes with it.
+        self.tokenizer: Tokenizer = Tokenizer()
+        self._tokenizer_from_data = False
+        self.register_buffer("token_bytes", None, persistent=False)  # None: one byte per token
 
     def setup(self, stage: str) -> None:
-        """Refuse a vocabulary smaller than the data's token ids, before an embedding lookup
-        fails on the first batch."""
+        """Take the data's tokenizer; refuse a vocabulary smaller than its token ids, before an
+        embedding lookup fails on the first batch."""
+        tokenizer = getattr(self.trainer.datamodule, "tokenizer", None)
+        if isinstance(tokenizer, Tokenizer):
+            self.set_tokenizer(tokenizer)
+            self._tokenizer_from_data = True
         needed = getattr(self.trainer.datamodule, "vocab_size", None)
         if needed is not None and self.hparams.vocab_size < needed:
             raise ValueError(
                 f"model.vocab_size={self.hparams.vocab_size} is smaller than the {needed} token ids "
-                f"of the data (one per byte value); set model.vocab_size to at least {needed}."
+                f"of data.tokenizer={self.tokenizer.spec!r}; set model.vocab_size to at least "
+                f"{needed}, or leave it out: the command line sets it from data.tokenizer."
             )
+
+    def set_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Use `tokenizer` for bits per byte, checkpoints and generation."""
+        self.tokenizer = tokenizer
+        if tokenizer.key == tokenizers.BYTES:
+            self.token_bytes = None
+            return
+        lengths = torch.zeros(max(self.hparams.vocab_size, tokenizer.vocab_size), dtype=torch.long)
+        lengths[: tokenizer.vocab_size] = tokenizer.byte_lengths
+        self.token_bytes = lengths.to(self.device)
+
+    def _bytes(self, targets: Tensor) -> Tensor | int:
+        """The bytes the target tokens stand for (their number, for bytes)."""
+        if self.token_bytes is None:
+            return targets.numel()
+        return self.token_bytes[targets].sum().clamp_min(1)
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx).logits
@@ -131,28 +181,38 @@ class NAGLanguageModel(L.LightningModule):
                 "model.warmup_steps or set trainer.gradient_clip_val, then resume from the "
                 "last checkpoint."
             )
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True)  # per token, nats
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
-        self.log("train/bpb", loss / math.log(2))
+        tokens = batch[:, 1:].numel()
+        self.log("train/bpb", loss * (tokens / self._bytes(batch[:, 1:])) / math.log(2))
         if self.hparams.router != "none":
             self.log("train/aux_loss", aux)
         return loss + self.hparams.aux_loss_weight * aux
 
-    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+    def _evaluate(self, batch: Tensor, bpb: BitsPerByte, per_token: MeanMetric, stage: str) -> None:
         loss, _ = self._loss(batch)
-        self.val_bpb.update(loss, weight=batch[:, 1:].numel())
-        self.log("val/bpb", self.val_bpb, prog_bar=True)
+        tokens = batch[:, 1:].numel()
+        n_bytes = self._bytes(batch[:, 1:])
+        # weighted by bytes, the mean of (loss per byte) is the summed loss over the summed bytes
+        bpb.update(loss * (tokens / n_bytes), weight=n_bytes)
+        per_token.update(loss, weight=tokens)
+        self.log(f"{stage}/bpb", bpb, prog_bar=stage == "val")
+        self.log(f"{stage}/loss_per_token", per_token)
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        self._evaluate(batch, self.val_bpb, self.val_loss, "val")
 
     def test_step(self, batch: Tensor, batch_idx: int) -> None:
-        loss, _ = self._loss(batch)
-        self.log("test/bpb", loss / math.log(2))
+        self._evaluate(batch, self.test_bpb, self.test_loss, "test")
 
     def predict_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         """Per-sequence bits per byte of each batch item."""
         inputs, targets = batch[:, :-1], batch[:, 1:]
         logits = self.model(inputs).logits.float()
         nll = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-        return nll.mean(1) / math.log(2)
+        if self.token_bytes is None:
+            return nll.mean(1) / math.log(2)
+        return nll.sum(1) / self.token_bytes[targets].sum(1).clamp_min(1) / math.log(2)
 
     def configure_optimizers(self):
         decay, no_decay = [], []
@@ -167,10 +227,24 @@ class NAGLanguageModel(L.LightningModule):
             lr=hp.lr, betas=tuple(hp.betas),
         )
         total = max(self.trainer.estimated_stepping_batches, 1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
-        )
+        if hp.schedule == "cosine":
+            factor = lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
+        else:
+            progress = self._progress(total)
+            factor = lambda step: warmup_stable_decay(
+                step, hp.warmup_steps, progress(step), hp.decay_fraction, hp.min_lr_ratio
+            )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _progress(self, total: float):
+        """step -> fraction of the run done, for WSD: of the FLOP budget when the Trainer has a
+        FlopBudget (its spent FLOPs are checkpointed, so a resumed run continues the same
+        schedule), else of the steps."""
+        budget = next((c for c in self.trainer.callbacks if isinstance(c, FlopBudget)), None)
+        if budget is not None:
+            return lambda step: budget.progress
+        return lambda step: step / total
 
     @classmethod
     def load_from_checkpoint(
@@ -207,8 +281,21 @@ class NAGLanguageModel(L.LightningModule):
             return []
         return [WeightProjection()]
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Keep the tokenizer in the checkpoint, as plain data (it loads with weights_only=True)."""
+        checkpoint["tokenizer"] = self.tokenizer.saved()
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Refuse, in one sentence, a checkpoint whose architecture differs from this model's."""
+        """Take the checkpoint's tokenizer; refuse, in one sentence, a checkpoint whose tokenizer
+        differs from the data's or whose architecture differs from this model's."""
+        saved = tokenizers.load_saved(checkpoint.get("tokenizer"))
+        if self._tokenizer_from_data and saved.key != self.tokenizer.key:
+            raise ValueError(
+                f"The checkpoint was trained on tokens of {saved.describe()}, but this run's data "
+                f"uses {self.tokenizer.describe()}; set data.tokenizer (and data.source) as the "
+                "checkpoint's run did, e.g. from its config.yaml."
+            )
+        self.set_tokenizer(saved)
         differences = architecture_differences(
             checkpoint.get("hyper_parameters", {}), asdict(self.config)
         )
@@ -221,12 +308,29 @@ class NAGLanguageModel(L.LightningModule):
 
 
 def architecture_differences(saved: dict, current: dict) -> list[str]:
-    """`name=saved (this run: current)` for every architecture setting the two disagree on."""
+    """`name=saved (this run: current)` for every architecture setting the two disagree on (a
+    setting `current` does not hold yet, as vocab_size before the data module sets it, is left to
+    the check at load time)."""
     return [
         f"{name}={saved[name]!r} (this run: {current.get(name)!r})"
         for name in ARCHITECTURE_FIELDS
-        if name in saved and _normalise(name, saved[name]) != _normalise(name, current.get(name))
+        if name in saved and name in current
+        and _normalise(name, saved[name]) != _normalise(name, current.get(name))
     ]
+
+
+def warmup_stable_decay(
+    step: int, warmup: int, progress: float, decay_fraction: float, min_ratio: float
+) -> float:
+    """Learning-rate factor: linear warmup to 1 over `warmup` steps, then 1 until `progress` (the
+    fraction of the run done, 0 to 1) reaches 1 - decay_fraction, then linear decay to min_ratio at
+    progress 1 (and min_ratio after)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    start = 1 - decay_fraction
+    if progress <= start:
+        return 1.0
+    return 1 - (1 - min_ratio) * min((progress - start) / decay_fraction, 1.0)
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -55,6 +55,12 @@ class Tokenizer:
         """Identity of the tokenizer: the same key means the same ids for the same text."""
         return BYTES
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Tokenizer) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
     @property
     def dtype(self) -> torch.dtype:
         """The narrowest integer dtype that holds every id, for the litdata chunks."""

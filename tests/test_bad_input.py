@@ -121,7 +121,8 @@ def test_a_read_only_cache_dir(corpus, tmp_path, capsys, monkeypatch):
          r"model.router_options has 'cap', which the router 'topk' does not take; it accepts: "
          r"capacity"),
         (["--model.vocab_size=100"],
-         r"model.vocab_size=100 is smaller than the 256 token ids of the data"),
+         r"model.vocab_size=100 does not match the 256 token ids of data.tokenizer='bytes'; leave "
+         r"model.vocab_size out: it follows data.tokenizer"),
         (["--trainer.max_steps=-5"], r"trainer.max_steps=-5 is not a number of steps"),
         (["--trainer.max_steps=0"], r"trainer.max_steps=0 would train nothing"),
         (["--data.source=file://elsewhere/corpus.txt"], r"names a file on another host"),

@@ -12,6 +12,9 @@ of one config but different routers the same budget without a calculator.
 
 The stop is `trainer.should_stop`, so Lightning runs a last validation at that step (the final
 number of an iso-FLOP table) and honours `trainer.min_steps` / `min_epochs` if they are set.
+
+`progress`, the fraction of the budget spent so far, places the decay of the warmup-stable-decay
+learning-rate schedule (`model.schedule: wsd`) at the end of each run's own budget.
 """
 
 from __future__ import annotations
@@ -50,6 +53,15 @@ class FlopBudget(L.Callback):
         self.stopped_at: int | None = None  # the global step training stopped at
         self.spent: int | None = None  # training FLOPs spent by then
         self._saved_budget: float | None = None
+        self._accounting: FlopAccounting | None = None
+
+    @property
+    def progress(self) -> float:
+        """Training FLOPs spent so far over the budget, 0 to 1 (0 before training starts). The
+        spent total is FlopAccounting's, kept in checkpoints, so a resumed run reads on."""
+        if self._accounting is None or not self.budget:
+            return 0.0
+        return min(self._accounting.training_flops / self.budget, 1.0)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -61,6 +73,7 @@ class FlopBudget(L.Callback):
                 "nag_lightning.callbacks.FlopAccounting to trainer.callbacks as well."
             )
         accounting.add_listener(self._after_step)
+        self._accounting = accounting
         self.stopped_at = self.spent = None
         self._saved_budget = None
         if self.reference_tokens is not None:
