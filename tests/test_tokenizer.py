@@ -3,6 +3,7 @@ tokenizers, checkpoints that carry their tokenizer, generation, and bad input.""
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import math
@@ -220,6 +221,19 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
     assert status == 0, err[-3000:]
     assert out.startswith("café ") and "per generated token" in out
     assert out.count(" sublayers\n") == 5
+
+    # the post-training sweep reports bits per byte of the checkpoint's tokens too
+    from nag_lightning.analysis.sweep import sweep
+
+    paths = sweep(str(ckpt), out_dir=str(tmp_path / "sweep"), taus=[0.0], val_batches=2,
+                  fit_batches=2)
+    [row] = [r for r in csv.DictReader(open(paths["csv"])) if r["method"] == "threshold"]
+    dm = ByteDataModule(str(corpus), seq_len=32, batch_size=4, cache_dir=str(cache),
+                        tokenizer="bpe:300")
+    dm.setup("validate")
+    targets = torch.cat([batch[:, 1:] for batch, _ in zip(dm.val_dataloader(), range(2))])
+    bytes_per_token = float(dm.tokenizer.byte_lengths[targets].sum()) / targets.numel()
+    assert float(row["bpb"]) == pytest.approx(float(row["val_loss"]) / math.log(2) / bytes_per_token)
 
     # resuming on other tokens is refused in one sentence
     status, _, err = run_cli(fit(corpus, cache, "--trainer.max_steps=4", f"--ckpt_path={ckpt}"), capsys)

@@ -113,16 +113,15 @@ def held_out_bpb(ckpt: Path, batches: int) -> tuple[float, float]:
     reports."""
     import torch
 
-    from nag_lightning.analysis.sweep import _batches, evaluate, load_checkpoint
-    from nag_lightning.data import ByteDataModule
+    from nag_lightning.analysis.sweep import _batches, checkpoint_data, evaluate, load_checkpoint
     from nag_lightning.module import NAGLanguageModel
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     module = load_checkpoint(NAGLanguageModel, str(ckpt), device)
     saved = torch.load(ckpt, map_location="cpu", weights_only=True).get("datamodule_hyper_parameters", {})
-    data = ByteDataModule(seq_len=module.hparams.seq_len, **{
+    data = checkpoint_data(module, str(ckpt), seq_len=module.hparams.seq_len, **{
         k: v for k, v in saved.items()
-        if k in ("source", "cache_dir", "batch_size", "max_bytes", "val_fraction")})
+        if k in ("source", "cache_dir", "batch_size", "max_bytes", "val_fraction", "tokenizer")})
     data.prepare_data()
     data.setup("validate")
     val = _batches(data.val_dataloader(), batches)
@@ -132,7 +131,7 @@ def held_out_bpb(ckpt: Path, batches: int) -> tuple[float, float]:
             f"The validation split of {ckpt} holds {len(val)} batch; the selection and the "
             "report need one each: give more text or a smaller data.batch_size."
         )
-    return tuple(evaluate(module.model, part)["val_loss"] / math.log(2)
+    return tuple(evaluate(module.model, part, token_bytes=module.token_bytes)["bpb"]
                  for part in (val[:half], val[half:2 * half]))
 
 

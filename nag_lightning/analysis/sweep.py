@@ -48,8 +48,9 @@ class SweepRow:
         flops_per_token: executed forward FLOPs per token (for the oracle: what its skips would
             cost if they were free to find, which they are not).
         executed_fraction: flops_per_token over the full-depth model's.
-        val_loss: next-byte cross-entropy in nats.
-        bpb: bits per byte (val_loss / ln 2).
+        val_loss: next-token cross-entropy in nats.
+        bpb: bits per byte: the loss summed over the target tokens, in bits, over the bytes they
+            stand for (val_loss / ln 2 for a byte-level model).
         predictor_agreement: top-k only: causal predictor's agreement with the exact top-k.
     """
 
@@ -76,11 +77,18 @@ def _batches(loader: Iterable, n: int) -> list[Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, batches: list[Tensor], oracle_tau: float | None = None) -> dict:
-    """Mean loss, MoD rate, executed FLOPs per token and router agreement over `batches`;
-    with `oracle_tau`, the oracle forward instead of the routers."""
+def evaluate(
+    model: Transformer,
+    batches: list[Tensor],
+    oracle_tau: float | None = None,
+    token_bytes: Tensor | None = None,
+) -> dict:
+    """Mean loss, bits per byte, MoD rate, executed FLOPs per token and router agreement over
+    `batches`; with `oracle_tau`, the oracle forward instead of the routers. `token_bytes` (the
+    bytes each id stands for, `NAGLanguageModel.token_bytes`) turns the loss into bits per byte;
+    None: one byte per token."""
     device = next(model.parameters()).device
-    nll = tokens = skipped = flops = 0.0
+    nll = tokens = n_bytes = skipped = flops = 0.0
     agreement: list[float] = []
     for batch in batches:
         batch = batch.to(device)
@@ -89,6 +97,7 @@ def evaluate(model: Transformer, batches: list[Tensor], oracle_tau: float | None
         logits = model(inputs).logits if oracle_tau is None else oracle_forward(model, inputs, oracle_tau)
         nll += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").item()
         tokens += B * T
+        n_bytes += B * T if token_bytes is None else token_bytes.to(device)[targets].sum().item()
         executed = sum(s.executed_per_seq.sum().item() for s in model.sublayers)
         skipped += B * T * len(model.sublayers) - executed
         flops += count_model(model, T).forward
@@ -98,6 +107,7 @@ def evaluate(model: Transformer, batches: list[Tensor], oracle_tau: float | None
         ]
     return {
         "val_loss": nll / tokens,
+        "bpb": nll / n_bytes / math.log(2),
         "mod_rate": skipped / (tokens * len(model.sublayers)),
         "flops_per_token": flops / tokens,
         "predictor_agreement": sum(agreement) / len(agreement) if agreement else None,
@@ -202,23 +212,26 @@ def run_sweep(
     dense_flops = _dense_flops(model, seq_len)
     rows: list[SweepRow] = []
 
+    def score(model: Transformer, batches: list[Tensor], oracle_tau: float | None = None) -> dict:
+        return evaluate(model, batches, oracle_tau, token_bytes=module.token_bytes)
+
     def add(method: str, setting: str, value: float, result: dict) -> None:
         rows.append(SweepRow(
             method=method, setting=setting, value=value, mod_rate=result["mod_rate"],
             flops_per_token=result["flops_per_token"],
             executed_fraction=result["flops_per_token"] / dense_flops,
-            val_loss=result["val_loss"], bpb=result["val_loss"] / math.log(2),
+            val_loss=result["val_loss"], bpb=result["bpb"],
             predictor_agreement=result["predictor_agreement"],
         ))
 
     if name == "topk":
         routers = [s.router for s in model.sublayers if isinstance(s.router, TopKRouter)]
         trained = routers[0].capacity
-        add("topk_predictor", "capacity", trained, evaluate(model, val_batches))
+        add("topk_predictor", "capacity", trained, score(model, val_batches))
         for capacity in capacities or DEFAULT_CAPACITIES:
             for r in routers:
                 r.capacity, r.eval_routing = capacity, "topk"
-            add("topk", "capacity", capacity, evaluate(model, val_batches))
+            add("topk", "capacity", capacity, score(model, val_batches))
         for r in routers:
             r.capacity, r.eval_routing = trained, "predictor"
         return rows
@@ -236,9 +249,9 @@ def run_sweep(
         if tau < 0:
             raise ValueError(f"A threshold tau is an angle in radians and cannot be negative; got {tau}.")
         set_tau(model, tau)
-        add("threshold", "tau", tau, evaluate(model, val_batches))
+        add("threshold", "tau", tau, score(model, val_batches))
         if oracle:
-            add("oracle", "tau", tau, evaluate(model, val_batches, oracle_tau=tau))
+            add("oracle", "tau", tau, score(model, val_batches, oracle_tau=tau))
     return rows
 
 
@@ -334,17 +347,16 @@ def sweep(
         trust_checkpoint: let the checkpoint's residual or router import and call a class path
             outside the registered plugins; only for checkpoints whose origin you trust.
     """
-    from nag_lightning.data import ByteDataModule
     from nag_lightning.module import NAGLanguageModel
     from nag_lightning.trust import read_checkpoint
 
     module = load_checkpoint(NAGLanguageModel, ckpt_path, device, trust_checkpoint)
     saved = read_checkpoint(ckpt_path).get("datamodule_hyper_parameters", {})
     data_options = {k: v for k, v in saved.items()
-                    if k in ("source", "cache_dir", "batch_size", "max_bytes", "val_fraction")}
+                    if k in ("source", "cache_dir", "batch_size", "max_bytes", "val_fraction", "tokenizer")}
     overrides = {"source": source, "cache_dir": cache_dir, "batch_size": batch_size, "max_bytes": max_bytes}
     data_options.update({k: v for k, v in overrides.items() if v is not None})
-    data = ByteDataModule(seq_len=module.hparams.seq_len, **data_options)
+    data = checkpoint_data(module, ckpt_path, seq_len=module.hparams.seq_len, **data_options)
     data.prepare_data()
     data.setup("fit")
     val = _batches(data.val_dataloader(), val_batches)
@@ -357,6 +369,21 @@ def sweep(
     trained_routed = module.hparams.router != "none"
     return {"csv": write_csv(rows, out / "sweep.csv"),
             "png": plot(rows, out / "sweep.png", title, trained_routed)}
+
+
+def checkpoint_data(module, ckpt_path: str, **options):
+    """A `ByteDataModule` of `options` whose tokens are those `module` (loaded from `ckpt_path`)
+    was trained on; one sentence if its tokenizer differs from the checkpoint's."""
+    from nag_lightning.data import ByteDataModule
+
+    data = ByteDataModule(**options)
+    if data.tokenizer != module.tokenizer:
+        raise ValueError(
+            f"The checkpoint {ckpt_path} was trained on tokens of {module.tokenizer.describe()}, "
+            f"but its data would now be tokenized with {data.tokenizer.describe()}; give the "
+            "source and cache_dir it was trained with."
+        )
+    return data
 
 
 def load_checkpoint(cls, ckpt_path: str, device: str, trust_checkpoint: bool = False):
