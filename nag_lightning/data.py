@@ -223,8 +223,8 @@ def _read_tokens(piece: tuple[str, int, int]) -> Iterator[torch.Tensor]:
 
 def _encode_tokens(piece: tuple[str, int, int], tokenizer: Tokenizer) -> Iterator[torch.Tensor]:
     """litdata `optimize` worker for a tokenizer other than bytes: yield the token ids of a byte
-    range of one file, read 4 MiB at a time and cut only where the tokenizer's pre-tokenizer ends a
-    token anyway (`tokenizer.split_text`), so the ids are those of the whole range at once."""
+    range of one file, read 4 MiB at a time and cut only where a GPT-2-style pre-tokenizer ends a
+    token anyway (`nag_lightning.tokenizer.safe_cut`), so the ids are those of the whole range."""
     path, start, end = piece
     carry = b""
     with open(path, "rb") as f:

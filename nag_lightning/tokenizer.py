@@ -124,6 +124,9 @@ class HFTokenizer(Tokenizer):
         return hashlib.sha256(self.json_text.encode()).hexdigest()[:16]
 
     def encode(self, data: bytes) -> torch.Tensor:
+        # Pieces encode in parallel. Their cuts change no id under a GPT-2-style pre-tokenizer (ours);
+        # under others (e.g. SentencePiece's, which marks the start of every input) they may change
+        # the ids next to a cut, one in tens of thousands of bytes.
         pieces = [p.decode("utf-8", errors="replace") for p in split_text(data)]
         ids = [i for e in self.hf.encode_batch(pieces, add_special_tokens=False) for i in e.ids]
         return torch.tensor(ids, dtype=self.dtype)
