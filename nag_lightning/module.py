@@ -16,6 +16,7 @@ from dataclasses import asdict
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
@@ -228,6 +229,12 @@ class NAGLanguageModel(L.LightningModule):
         )
         total = max(self.trainer.estimated_stepping_batches, 1)
         if hp.schedule == "cosine":
+            if hp.min_lr_ratio < 1 and any(isinstance(c, FlopBudget) for c in self.trainer.callbacks):
+                rank_zero_warn(
+                    "The cosine schedule decays over trainer.max_steps, not the FLOP budget, which "
+                    "ends the run wherever it is on that curve; set model.schedule: wsd to anneal "
+                    "at the end of the budget."
+                )
             factor = lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
         else:
             progress = self._progress(total)

@@ -96,6 +96,13 @@ def test_a_resumed_run_follows_the_same_learning_rates(tmp_path):
     assert resumed.lrs == whole.lrs[6:]  # exactly, not approximately
 
 
+def test_cosine_under_a_budget_says_it_decays_over_the_steps(tmp_path):
+    module = model(schedule="cosine")
+    budget = FlopBudget(budget=2 * dense_step_flops(module))
+    with pytest.warns(UserWarning, match="set model.schedule: wsd"):
+        trainer(tmp_path, [FlopAccounting(), budget]).fit(module, loader())
+
+
 def test_schedule_settings_are_checked():
     with pytest.raises(ValueError, match="model.schedule must be one of cosine, wsd"):
         NAGLanguageModel(schedule="linear")
