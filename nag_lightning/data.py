@@ -600,7 +600,7 @@ class ByteDataModule(L.LightningDataModule):
             max_bytes: Use at most this many bytes of the corpus, files in sorted order; None: all
                 of it (the standard library is capped at 64 MiB).
             tokenizer: "bytes" (one token per byte, vocab 256); "bpe:<vocab size>", a byte-level
-                BPE trained here on the training split (at most 8 MiB of it, evenly spaced files)
+                BPE trained here on the training split (at most 64 MiB of it, evenly spaced files)
                 and cached under cache_dir/tokenizers; or the path of a Hugging Face tokenizer.json.
                 model.vocab_size follows it.
         """

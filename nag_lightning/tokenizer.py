@@ -35,10 +35,11 @@ _INT16_MAX_VOCAB = 2**15
 # Bump when the BPE recipe below changes, so cached BPE models are not reused.
 BPE_VERSION = 1
 # The BPE is trained on at most this many bytes of the training split, taken as evenly spaced
-# files so that every part of the corpus is represented: on the default corpus (the standard
-# library, about 30 MB) training on all of it takes minutes on 2 cores; 8 MiB takes seconds and
-# gives the same merges for the frequent pairs that a few thousand ids can hold.
-BPE_SAMPLE_BYTES = 8 * 2**20
+# files so that every part of the corpus is represented. The default corpus (the standard library,
+# 30 MB of training text) fits whole: a 2048-id BPE trained on all of it in 4.5 s on 2 CPU cores
+# (on a 6.9 MB sample in 1.1 s, with 0.8% fewer bytes per token on the validation split). The cap
+# bounds the time and memory of training on a larger corpus.
+BPE_SAMPLE_BYTES = 64 * 2**20
 # Corpus bytes that `coverage` compares with the bytes its tokens stand for.
 COVERAGE_SAMPLE_BYTES = 2**20
 _WHITESPACE = b" \t\n\r\x0b\x0c"
