@@ -66,7 +66,9 @@ class NagCLI(LightningCLI):
         """LightningCLI's, then one sentence if a vocabulary size given in a config or on the
         command line differs from the tokenizer's (the link would silently replace it)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
-        typed = self._typed_vocab_size or config.model.get("vocab_size")
+        typed = self._typed_vocab_size
+        if typed is None:
+            typed = config.model.get("vocab_size")  # from a config file: the link replaces it
         super().instantiate_classes()
         needed = getattr(self.datamodule, "vocab_size", None)
         if typed is not None and needed is not None and typed != needed:

@@ -267,6 +267,19 @@ def test_bad_tokenizer_settings_get_one_sentence(extra, message, corpus, cache, 
     assert re.search(message, lines[0]), lines[0]
 
 
+def test_a_vocabulary_size_that_matches_the_tokenizer_is_accepted_and_one_in_a_config_is_checked(
+    corpus, cache, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run_cli(fit(corpus, cache, "--data.tokenizer=bpe:300", "--model.vocab_size=300",
+                                 "--trainer.max_steps=1", "--trainer.limit_val_batches=0"), capsys)
+    assert status == 0, err[-2000:]
+    config = tmp_path / "old_run.yaml"  # e.g. the config.yaml of a run from before tokenizers
+    config.write_text("model:\n  vocab_size: 256\n")
+    status, _, err = run_cli(fit(corpus, cache, "--data.tokenizer=bpe:300", f"--config={config}"), capsys)
+    assert status == 1 and "model.vocab_size=256 does not match the 300 token ids" in err
+
+
 def test_a_file_that_is_not_a_tokenizer_and_a_folder_of_other_tokens(corpus, cache, tmp_path):
     bad = tmp_path / "tokenizer.json"
     bad.write_text('{"not": "a tokenizer"}')
