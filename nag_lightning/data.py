@@ -320,6 +320,30 @@ _FULL_SHUFFLE = (
 )
 
 
+class _EpochExactLoader(StreamingDataLoader):
+    """A StreamingDataLoader whose resumed epoch ends where an uninterrupted one would.
+
+    litdata replays a loaded state on the next `__iter__` and clears its `restore` flag only when
+    that iteration runs to its end. Lightning stops reading a loader with a length after exactly
+    `len(loader)` batches, so after a mid-epoch resume the flag stayed set: the next epoch skipped
+    litdata's per-epoch reset, replayed the old state and reused the old shuffle, and training
+    diverged from an uninterrupted run at the first epoch boundary. Only the first iteration after
+    `load_state_dict` may replay the state.
+    """
+
+    _replay_pending = False
+
+    def load_state_dict(self, obj: dict[str, Any]) -> None:
+        super().load_state_dict(obj)
+        self._replay_pending = self.restore
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self._replay_pending:
+            self.restore = False  # the epoch that replayed the state is over
+        self._replay_pending = False
+        yield from super().__iter__()
+
+
 def _collate(blocks: list[torch.Tensor]) -> torch.Tensor:
     """Stack uint8 blocks into the LongTensor (batch, seq_len + 1) the model embeds."""
     return torch.stack(blocks).long()
@@ -407,7 +431,7 @@ class ByteDataModule(L.LightningDataModule):
     def _loader(self, dataset: StreamingDataset | None) -> StreamingDataLoader:
         if dataset is None:
             raise RuntimeError("Call ByteDataModule.setup() before asking for a dataloader.")
-        return StreamingDataLoader(
+        return _EpochExactLoader(
             dataset,
             batch_size=self.batch_size,
             num_workers=self.num_workers,
