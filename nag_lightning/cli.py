@@ -17,10 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from nag_lightning.callbacks import DepthDiagnostics
+from nag_lightning.callbacks import DepthDiagnostics, RunCheckpoint
 from nag_lightning.data import ByteDataModule
 from nag_lightning.module import NAGLanguageModel, architecture_differences
 
@@ -32,7 +31,7 @@ class NagCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.seq_len", "data.seq_len")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.monitor": "val/bpb",
                              "checkpoint.filename": "step{step}-bpb{val/bpb:.4f}",
                              "checkpoint.auto_insert_metric_name": False})
