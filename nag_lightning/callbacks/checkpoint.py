@@ -13,9 +13,14 @@ the final steps of a run could be in no file at all. `RunCheckpoint` keeps every
 
 The end of training is saved at the end of its last batch rather than in `on_train_end`, because
 Lightning's loops close the epoch after that, and a checkpoint of that state resumes into a new
-epoch where an uninterrupted run would have continued the old one. On an exception the data
-loader may already have handed out the batch of a step that never finished; the checkpoint carries
-the loader state of the last finished step instead, so a resumed run reads that batch again.
+epoch where an uninterrupted run would have continued the old one. For the same reason an
+exception inside a training step is saved as the end of the last finished step: the data loader
+has already handed out the batch of the unfinished step and Lightning's progress counters are half
+advanced, so the checkpoint carries the loop state recorded at the last batch end (with the weights,
+optimizer and scheduler, which the unfinished step has not changed yet) and a resumed run reads
+that batch again, exactly as an uninterrupted run does. An exception raised after a step's
+optimizer update but before its batch end (in another callback's hook) has no such consistent
+state and is not saved.
 """
 
 from __future__ import annotations
@@ -39,20 +44,25 @@ class RunCheckpoint(ModelCheckpoint):
 
     writes_only_finite = True  # read by the LightningModule's divergence message
     _latest_step: int | None = None  # the global step last.ckpt holds
-    _loader_state: tuple[int, Any] | None = None  # (step, loader state) after the last finished step
+    _loop_state: tuple[int, Any] | None = None  # (step, fit-loop state) at the last batch end
     _saving_on_exception = False
 
     # ---- when to write ------------------------------------------------------------------------
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._latest_step = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         # At the start the newest state is the one resumed from (or step 0: nothing to save yet).
         self._latest_step = trainer.global_step
-        self._loader_state = None
+        self._loop_state = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self._remember_loader_state(trainer)
+        # What a checkpoint written now would hold; small dicts of counters and the loader position.
+        self._loop_state = (trainer.global_step, copy.deepcopy(trainer.fit_loop.state_dict()))
         if _is_final_step(trainer):
             self._save_latest(trainer)
 
@@ -69,7 +79,17 @@ class RunCheckpoint(ModelCheckpoint):
     ) -> None:
         if isinstance(exception, FloatingPointError):
             return  # the run diverged: the state is suspect, keep the last finite checkpoint
-        self._saving_on_exception = True
+        if self._latest_step in (None, trainer.global_step):
+            return  # training has not started, or last.ckpt holds this step already
+        training = not trainer.validating
+        if training and (self._loop_state is None or self._loop_state[0] != trainer.global_step):
+            rank_zero_warn(
+                f"{type(exception).__name__} after the optimizer update of step "
+                f"{trainer.global_step} and before its end; last.ckpt stays at step "
+                f"{self._latest_step}."
+            )
+            return
+        self._saving_on_exception = training  # then saved as the last batch end (see above)
         try:
             if self._should_save_on_exception(trainer) and self._state_is_finite(trainer):
                 super().on_exception(trainer, pl_module, exception)
@@ -108,17 +128,9 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> dict:
         state = super().on_save_checkpoint(trainer, pl_module, checkpoint)
-        if self._saving_on_exception and self._loader_state is not None:
-            step, loader_state = self._loader_state
-            fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-            if step == trainer.global_step and "combined_loader" in fit_loop:
-                fit_loop["combined_loader"] = copy.deepcopy(loader_state)
+        if self._saving_on_exception and "loops" in checkpoint:
+            checkpoint["loops"]["fit_loop"] = copy.deepcopy(self._loop_state[1])
         return state
-
-    def _remember_loader_state(self, trainer: L.Trainer) -> None:
-        combined = getattr(trainer.fit_loop, "_combined_loader", None)
-        if combined is not None:
-            self._loader_state = (trainer.global_step, copy.deepcopy(combined._state_dicts()))
 
     def _state_is_finite(self, trainer: L.Trainer) -> bool:
         """Whether the weights, buffers and optimizer state are finite on every rank; warns if not."""
