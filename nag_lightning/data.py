@@ -25,7 +25,6 @@ import os
 import shutil
 import sys
 import sysconfig
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -34,6 +33,8 @@ from typing import Any
 import lightning as L
 import torch
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader, optimize
+
+from nag_lightning.orphans import die_with_parent, owned_name, remove_orphaned
 
 # Bump when the on-disk layout or the split rule changes, so old caches are not reused.
 _CACHE_VERSION = 1
@@ -216,10 +217,11 @@ def _in_child(fn: Callable[..., None], *args: Any) -> None:
     `optimize` changes global state of the process that calls it: it reseeds `random`, NumPy and
     torch with 42 (so a run that tokenizes would train differently from one that hits the cache),
     forces the multiprocessing start method and sets environment variables. A child keeps all of
-    that out of the training process.
+    that out of the training process. The child and the workers it forks die with this process.
     """
     context = multiprocessing.get_context(_START_METHOD)
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=die_with_parent,
+                             initargs=(os.getpid(),)) as pool:
         pool.submit(fn, *args).result()
 
 
@@ -272,7 +274,8 @@ def prepare_corpus(
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     (target.parent / _CACHEDIR_TAG).write_text(_CACHEDIR_SIGNATURE)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    remove_orphaned(target.parent)  # what killed runs left; live runs' folders stay
+    tmp = target.parent / owned_name(target.name)
     tmp.mkdir()
     try:
         _in_child(_tokenize, splits, tmp)
