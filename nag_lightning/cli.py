@@ -15,13 +15,13 @@ import os
 import sys
 from collections.abc import Callable
 
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
-from nag_lightning.callbacks import DepthDiagnostics
+from nag_lightning.callbacks import DepthDiagnostics, RunCheckpoint
 from nag_lightning.data import ByteDataModule
 from nag_lightning.module import NAGLanguageModel, architecture_differences
+from nag_lightning.runs import RunFolder, prepare_run_folder
 from nag_lightning.trust import TRUST_HELP, check_plugins, read_checkpoint
 
 CHECKPOINT_ALIASES = ("last", "best", "hpc", "registry")
@@ -30,9 +30,29 @@ CHECKPOINT_ALIASES = ("last", "best", "hpc", "registry")
 class NagCLI(LightningCLI):
     """LightningCLI with this package's model, data, callbacks and loggers."""
 
+    run_folder: RunFolder | None = None
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        """Parse, then settle the run's folder: resolve `--ckpt_path last` and claim one version
+        for all loggers (see `nag_lightning.runs`)."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        self.run_folder = prepare_run_folder(self.config[subcommand] if subcommand else self.config,
+                                             subcommand)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except BaseException:
+            if self.run_folder is not None:
+                self.run_folder.release()
+            raise
+        if self.run_folder is not None:
+            self.run_folder.attach(self.trainer)
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.seq_len", "data.seq_len")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.monitor": "val/bpb",
                              "checkpoint.filename": "step{step}-bpb{val/bpb:.4f}",
                              "checkpoint.auto_insert_metric_name": False})

@@ -25,7 +25,6 @@ import os
 import shutil
 import sys
 import sysconfig
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -36,6 +35,8 @@ from urllib.request import url2pathname
 import lightning as L
 import torch
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader, optimize
+
+from nag_lightning.orphans import die_with_parent, owned_name, remove_orphaned
 
 # Bump when the on-disk layout or the split rule changes, so old caches are not reused.
 _CACHE_VERSION = 1
@@ -237,10 +238,11 @@ def _in_child(fn: Callable[..., None], *args: Any) -> None:
     `optimize` changes global state of the process that calls it: it reseeds `random`, NumPy and
     torch with 42 (so a run that tokenizes would train differently from one that hits the cache),
     forces the multiprocessing start method and sets environment variables. A child keeps all of
-    that out of the training process.
+    that out of the training process. The child and the workers it forks die with this process.
     """
     context = multiprocessing.get_context(_START_METHOD)
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=die_with_parent,
+                             initargs=(os.getpid(),)) as pool:
         pool.submit(fn, *args).result()
 
 
@@ -292,10 +294,11 @@ def prepare_corpus(
     target = Path(cache_dir).expanduser().resolve() / _corpus_hash(files, val_fraction, max_bytes)
     if (target / _META).is_file():
         return target
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         (target.parent / _CACHEDIR_TAG).write_text(_CACHEDIR_SIGNATURE)
+        remove_orphaned(target.parent)  # what killed runs left; live runs' folders stay
+        tmp = target.parent / owned_name(target.name)
         tmp.mkdir()
     except OSError as error:
         raise _unwritable(cache_dir, error) from None
@@ -369,6 +372,30 @@ _FULL_SHUFFLE = (
     if "item_shuffle_window" in inspect.signature(StreamingDataset).parameters
     else {}
 )
+
+
+class _EpochExactLoader(StreamingDataLoader):
+    """A StreamingDataLoader whose resumed epoch ends where an uninterrupted one would.
+
+    litdata replays a loaded state on the next `__iter__` and clears its `restore` flag only when
+    that iteration runs to its end. Lightning stops reading a loader with a length after exactly
+    `len(loader)` batches, so after a mid-epoch resume the flag stayed set: the next epoch skipped
+    litdata's per-epoch reset, replayed the old state and reused the old shuffle, and training
+    diverged from an uninterrupted run at the first epoch boundary. Only the first iteration after
+    `load_state_dict` may replay the state.
+    """
+
+    _replay_pending = False
+
+    def load_state_dict(self, obj: dict[str, Any]) -> None:
+        super().load_state_dict(obj)
+        self._replay_pending = self.restore
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self._replay_pending:
+            self.restore = False  # the epoch that replayed the state is over
+        self._replay_pending = False
+        yield from super().__iter__()
 
 
 def _collate(blocks: list[torch.Tensor]) -> torch.Tensor:
@@ -463,7 +490,7 @@ class ByteDataModule(L.LightningDataModule):
     def _loader(self, dataset: StreamingDataset | None) -> StreamingDataLoader:
         if dataset is None:
             raise RuntimeError("Call ByteDataModule.setup() before asking for a dataloader.")
-        return StreamingDataLoader(
+        return _EpochExactLoader(
             dataset,
             batch_size=self.batch_size,
             num_workers=self.num_workers,

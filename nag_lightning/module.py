@@ -7,6 +7,7 @@ linear warmup and cosine decay; gradient clipping is the Trainer's (`trainer.gra
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict
 
 import lightning as L
@@ -128,8 +129,8 @@ class NAGLanguageModel(L.LightningModule):
             raise FloatingPointError(
                 f"The training loss became {loss.item()} at step {self.global_step}; the "
                 "checkpoints already written are kept. Lower model.lr, raise "
-                "model.warmup_steps or set trainer.gradient_clip_val, then resume from the "
-                "last checkpoint."
+                "model.warmup_steps or set trainer.gradient_clip_val, then "
+                + self._resume_advice()
             )
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
@@ -137,6 +138,16 @@ class NAGLanguageModel(L.LightningModule):
         if self.hparams.router != "none":
             self.log("train/aux_loss", aux)
         return loss + self.hparams.aux_loss_weight * aux
+
+    def _resume_advice(self) -> str:
+        """Where a diverged run can be resumed from: the newest checkpoint on disk (the CLI's
+        `RunCheckpoint` writes only finite states, and says so with `writes_only_finite`)."""
+        for callback in self.trainer.checkpoint_callbacks:
+            for path in (getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", "")):
+                if path and os.path.isfile(path):
+                    kind = "finite " if getattr(callback, "writes_only_finite", False) else ""
+                    return f"resume from the newest {kind}checkpoint with --ckpt_path {path}."
+        return "start again: no checkpoint was written before the loss diverged."
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
         loss, _ = self._loss(batch)
