@@ -224,8 +224,9 @@ class ThresholdRouter(Router):
             self._stats["theta_mean"] = (angle.float() * mask).sum() / count
 
     def flops_per_token(self) -> int:
-        """The probe <w, h> (the bias add and softplus are not multiply-adds)."""
-        return 2 * self.d_model
+        """The probe <w, h> (the bias add and softplus are not multiply-adds): once in evaluation;
+        twice in training, where `observe` runs it again for the loss, after calibrating b."""
+        return (2 if self.training else 1) * 2 * self.d_model
 
     def stats(self) -> dict[str, float]:
         """tau, the probe's MSE and the mean predicted and measured angle of executed tokens."""
