@@ -165,8 +165,10 @@ class Attention(nn.Module):
         q, k, v = self._qkv(h, t)  # (N, H, D)
         slot = (executed.cumsum(1) - 1)[b, t]  # place of each token among its sequence's executed
         K = int(executed.sum(1).max())
-        padded = h.new_zeros(3, B, K, *q.shape[1:])  # (3, B, K, H, D)
-        padded[:, b, slot] = torch.stack((q, k, v))
+        qkv = torch.stack((q, k, v))  # (3, N, H, D)
+        # The buffer takes q/k/v's dtype, not h's: under autocast they are bf16 while h is fp32.
+        padded = qkv.new_zeros(3, B, K, *q.shape[1:])  # (3, B, K, H, D)
+        padded[:, b, slot] = qkv
         # Slots hold a sequence's executed tokens in position order and its padding after them,
         # so attending causally by original position among executed tokens is plain causal
         # attention over slots: no real query reaches a padding slot, and padding queries' outputs
@@ -227,7 +229,9 @@ class Sublayer(nn.Module):
             gate = None if route.gate is None else route.gate[b, t]
             picked = tuple(lane[b, t] for lane in state)
             written, angle_executed = strategy.write(picked, f, gate, self.index, need_angle)
-            state = tuple(lane.index_put((b, t), new) for lane, new in zip(state, written))
+            # A strategy returns its lanes' own dtypes; the cast only guards one that follows f's
+            # (bf16 under autocast), since index_put refuses mixed dtypes.
+            state = tuple(lane.index_put((b, t), new.to(lane.dtype)) for lane, new in zip(state, written))
             angle = None
             if angle_executed is not None:
                 angle = h.new_zeros(h.shape[:2], dtype=angle_executed.dtype)

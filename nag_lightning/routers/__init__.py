@@ -61,7 +61,9 @@ class Router(nn.Module):
         self.aux_loss = h.new_zeros(())
 
     def flops_per_token(self) -> int:
-        """Forward FLOPs (2 x multiply-adds) the router spends per token it scores, for accounting."""
+        """Forward FLOPs (2 x multiply-adds) the router spends per token it scores, for accounting,
+        in its current mode (`self.training`): in training what `forward` and `observe` run there,
+        in evaluation what runs there. Count matrix products only, as `nag_lightning.flops` does."""
         return 0
 
     def stats(self) -> dict[str, float]:
