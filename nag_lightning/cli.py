@@ -15,22 +15,27 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-
-from nag_lightning.callbacks import DepthDiagnostics
-from nag_lightning.data import ByteDataModule
-from nag_lightning.module import NAGLanguageModel, architecture_differences
+if TYPE_CHECKING:
+    from lightning.pytorch.cli import LightningArgumentParser
 
 CHECKPOINT_ALIASES = ("last", "best", "hpc", "registry")
 
 
-class NagCLI(LightningCLI):
-    """LightningCLI with this package's model, data, callbacks and loggers."""
+class NagCLI:
+    """LightningCLI with this package's model, data, callbacks and loggers.
+
+    Written as a mixin and combined with LightningCLI only when a LightningCLI command runs
+    (`lightning_cli_class`): importing Lightning takes seconds, and the help and the commands that
+    do not train should not pay for it.
+    """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        from nag_lightning.callbacks import DepthDiagnostics
+
         parser.link_arguments("model.seq_len", "data.seq_len")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.monitor": "val/bpb",
@@ -56,6 +61,10 @@ class NagCLI(LightningCLI):
 
 def check_architecture(ckpt_path: str, model_config: dict) -> None:
     """Raise one sentence if the checkpoint's architecture differs from `model_config`."""
+    import torch
+
+    from nag_lightning.module import architecture_differences
+
     saved = torch.load(ckpt_path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
     differences = architecture_differences(saved, model_config)
     if differences:
@@ -67,9 +76,27 @@ def check_architecture(ckpt_path: str, model_config: dict) -> None:
         )
 
 
+def lightning_cli_class() -> type:
+    """`NagCLI` on top of LightningCLI (built once; the import of Lightning happens here)."""
+    global _LIGHTNING_CLI
+    if _LIGHTNING_CLI is None:
+        from lightning.pytorch.cli import LightningCLI
+
+        _LIGHTNING_CLI = type("NagCLI", (NagCLI, LightningCLI), {"__doc__": NagCLI.__doc__})
+    return _LIGHTNING_CLI
+
+
+_LIGHTNING_CLI: type | None = None
+
+
 def run_lightning_cli(args: list[str] | None = None, run: bool = True) -> NagCLI:
     """The LightningCLI part of the command, also used by tests to parse recipes."""
-    return NagCLI(
+    from nag_lightning.data import ByteDataModule
+    from nag_lightning.module import NAGLanguageModel
+    from nag_lightning.quiet import silence_irrelevant_messages
+
+    silence_irrelevant_messages()
+    return lightning_cli_class()(
         NAGLanguageModel,
         ByteDataModule,
         args=args,
@@ -112,6 +139,35 @@ COMMANDS: dict[str, str] = {
 }
 
 
+# One line each for the top-level help, which must not import the commands to describe them.
+SUMMARIES: dict[str, str] = {
+    "fit": "train a model (e.g. --config recipes/quickstart.yaml)",
+    "validate": "evaluate a model or checkpoint on the validation data",
+    "test": "evaluate a model or checkpoint on the test data",
+    "predict": "bits per byte of every sequence of the data",
+    "prepare": "tokenize a corpus into litdata chunks ahead of training",
+    "compare": "finished runs side by side: tokens, training FLOPs, final bits per byte",
+    "sweep": "accuracy against executed compute of a checkpoint's routing, CSV and PNG",
+    "generate": "continue a prompt from a checkpoint, routing causally",
+    "study": "experiments of many runs: depth, isoflop, tradeoff",
+}
+
+
+def top_level_help() -> str:
+    """The help of `nag-lightning` itself, written without importing Lightning (seconds) or torch."""
+    def lines(names):
+        return "\n".join(f"  {name:<10} {SUMMARIES.get(name, '')}" for name in names)
+
+    return (
+        "usage: nag-lightning COMMAND [options]   (every command takes --help)\n\n"
+        "Train and study Transformers with a norm-agnostic residual stream (NAG) and\n"
+        "Mixture-of-Depths routing.\n\n"
+        "Training, LightningCLI's commands (--config FILE, --print_config, every model, data and\n"
+        "trainer option):\n" + lines(("fit", "validate", "test", "predict")) + "\n\n"
+        "Around training:\n" + lines(COMMANDS) + "\n"
+    )
+
+
 def _load_command(name: str) -> Callable[[list[str]], None]:
     module, _, function = COMMANDS[name].partition(":")
     return getattr(importlib.import_module(module), function)
@@ -123,10 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if argv and argv[0] in COMMANDS:
             _load_command(argv[0])(argv[1:])
+        elif not argv or argv[0] in ("-h", "--help"):
+            print(top_level_help(), end="")
+            if not argv:
+                raise ValueError("Name a command, e.g. `nag-lightning fit --config recipes/debug.yaml`.")
         else:
-            if not argv or argv[0] in ("-h", "--help"):
-                print("Commands besides LightningCLI's: " + ", ".join(sorted(COMMANDS))
-                      + " (each takes --help).\n")
             run_lightning_cli(None if from_shell else argv)
     except (ValueError, FileNotFoundError, FloatingPointError) as error:
         if os.environ.get("NAG_LIGHTNING_TRACEBACK"):
