@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -115,8 +117,24 @@ def run_lightning_cli(args: list[str] | None = None, run: bool = True) -> NagCLI
     )
 
 
+@contextmanager
+def flags_named(names: Iterable[str], section: str = "data"):
+    """Re-word an error that names a setting `section.X` (as `fit` spells it) to name the running
+    command's own flag `--X`, for each X in `names`: the sentence must name what the user typed."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as error:
+        pattern = rf"\b{re.escape(section)}\.({'|'.join(map(re.escape, names))})\b"
+        text = re.sub(pattern, r"--\1", str(error))
+        if text == str(error):
+            raise
+        raise type(error)(text) from None
+
+
 def prepare_command(args: list[str]) -> None:
     """`nag-lightning prepare`: tokenize a corpus into litdata chunks ahead of training."""
+    import inspect
+
     from jsonargparse import ArgumentParser
 
     from nag_lightning.data import prepare_corpus
@@ -124,7 +142,8 @@ def prepare_command(args: list[str]) -> None:
     parser = ArgumentParser(prog="nag-lightning prepare", description=prepare_command.__doc__)
     parser.add_function_arguments(prepare_corpus)
     cfg = parser.parse_args(args)
-    path = prepare_corpus(**cfg.as_dict())
+    with flags_named(inspect.signature(prepare_corpus).parameters):
+        path = prepare_corpus(**cfg.as_dict())
     print(f"prepared {path}")
 
 
