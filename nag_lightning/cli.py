@@ -78,6 +78,9 @@ def check_architecture(ckpt_path: str, model_config: dict) -> None:
         )
 
 
+_LIGHTNING_CLI: type | None = None
+
+
 def lightning_cli_class() -> type:
     """`NagCLI` on top of LightningCLI (built once; the import of Lightning happens here)."""
     global _LIGHTNING_CLI
@@ -86,9 +89,6 @@ def lightning_cli_class() -> type:
 
         _LIGHTNING_CLI = type("NagCLI", (NagCLI, LightningCLI), {"__doc__": NagCLI.__doc__})
     return _LIGHTNING_CLI
-
-
-_LIGHTNING_CLI: type | None = None
 
 
 def run_lightning_cli(args: list[str] | None = None, run: bool = True) -> NagCLI:
