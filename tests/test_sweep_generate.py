@@ -24,7 +24,7 @@ ROUTERS = {
 LOGGER = ('{"class_path": "lightning.pytorch.loggers.CSVLogger", '
           '"init_args": {"save_dir": "runs", "name": "%s"}}')
 COLUMNS = ["method", "setting", "value", "mod_rate", "flops_per_token", "executed_fraction",
-           "val_loss", "bpb", "predictor_agreement"]
+           "val_loss", "bpb", "predictor_agreement", "val_batches"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -93,11 +93,13 @@ def test_sweep_attaches_and_fits_threshold_routers_to_a_model_trained_without_on
     assert threshold[0].executed_fraction == pytest.approx(1.0, abs=0.02)  # + the probes' cost
 
 
-def test_sweep_command_on_a_model_trained_without_router(checkpoints, workdir, capsys):
-    out = workdir / "sweep_none"
-    main(["sweep", "--ckpt_path", str(checkpoints["none"]), "--out_dir", str(out),
-          "--val_batches", "2", "--fit_batches", "4"])
+def test_sweep_command_on_a_model_trained_without_router(checkpoints, workdir, capsys, monkeypatch):
+    monkeypatch.chdir(workdir)
+    main(["sweep", "--ckpt_path", str(checkpoints["none"]), "--val_batches", "2", "--fit_batches", "4"])
+    out = checkpoints["none"].parents[1] / "sweep-last"  # in the run's folder, not the working one
+    assert not (workdir / "sweep").exists()
     rows = read_rows(out / "sweep.csv")
+    assert {r["val_batches"] for r in rows} == {"2"}
     assert {r["method"] for r in rows} == {"threshold", "oracle"}
     taus = [float(r["value"]) for r in rows if r["method"] == "threshold"]
     assert taus[0] == 0.0 and len(taus) >= 5  # chosen from the fitted probes' predictions
@@ -105,7 +107,10 @@ def test_sweep_command_on_a_model_trained_without_router(checkpoints, workdir, c
     assert rates[0] == 0 and max(rates) > 0.2
     assert all(float(r["bpb"]) > 0 and float(r["flops_per_token"]) > 0 for r in rows)
     assert is_png(out / "sweep.png")
-    assert "wrote" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote" in printed and str(out) in printed
+    lines = [line for line in printed.splitlines() if " bpb " in line]
+    assert len(lines) == len(rows) and all(line.endswith("(2 val batches)") for line in lines)
 
 
 def test_sweep_of_a_threshold_checkpoint(checkpoints, workdir):

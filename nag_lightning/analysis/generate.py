@@ -144,19 +144,18 @@ def generate(
         trust_checkpoint: let the checkpoint's residual or router import and call a class path
             outside the registered plugins; only for checkpoints whose origin you trust.
     """
-    from nag_lightning.analysis.sweep import load_checkpoint
-    from nag_lightning.module import NAGLanguageModel
+    from nag_lightning.checkpoint import load_transformer
 
-    module = load_checkpoint(NAGLanguageModel, ckpt_path, device, trust_checkpoint)
+    model, _ = load_transformer(ckpt_path, device, trust_checkpoint)  # without Lightning: starts at once
     tokens, executed = generate_tokens(
-        module.model, list(prompt.encode("utf-8")), max_new_tokens, temperature, top_k, seed
+        model, list(prompt.encode("utf-8")), max_new_tokens, temperature, top_k, seed
     )
     return Generation(
         prompt=prompt,
         text=bytes(tokens).decode("utf-8", errors="replace"),
         tokens=tokens,
         executed=executed,
-        n_sublayers=len(module.model.sublayers),
+        n_sublayers=len(model.sublayers),
     )
 
 
