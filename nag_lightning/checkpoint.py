@@ -34,7 +34,6 @@ def load_transformer(
     options["route_kinds"] = list(options.get("route_kinds") or SUBLAYER_KINDS)
     model = Transformer(TransformerConfig(**options))
     prefix = "model."
-    weights = {k[len(prefix):]: v.to(device) for k, v in checkpoint["state_dict"].items()
-               if k.startswith(prefix)}
+    weights = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     model.load_state_dict(weights)
     return model.to(device).eval(), saved

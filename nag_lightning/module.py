@@ -52,7 +52,7 @@ class NAGLanguageModel(L.LightningModule):
         route_kinds: which sublayer kinds are routed: "attn", "mlp" or both.
         route_layers: which blocks are routed: "all", "every_other" or a list of block indices.
         vocab_size: number of token ids (256 for bytes).
-        init_std: standard deviation of linear weights at init.
+        init_std: standard deviation of linear weights at init; null means 1/sqrt(d_model).
         embed_std: standard deviation of the token embedding at init.
         lr: peak learning rate.
         min_lr_ratio: final learning rate of the cosine decay, as a fraction of lr.
@@ -76,7 +76,7 @@ class NAGLanguageModel(L.LightningModule):
         route_kinds: list[str] | None = None,
         route_layers: str | list[int] = "all",
         vocab_size: int = 256,
-        init_std: float = 0.02,
+        init_std: float | None = None,
         embed_std: float = 1.0,
         lr: float = 3e-3,
         min_lr_ratio: float = 0.1,

@@ -178,3 +178,18 @@ def test_a_class_path_to_a_file_in_the_working_directory_needs_no_pythonpath(tmp
     model = tiny({"class_path": "my_residual_plugin.MyResidual"})
     assert type(model.strategy).__name__ == "MyResidual"
     sys.modules.pop("my_residual_plugin", None)
+
+
+def test_default_init_is_width_aware():
+    """Linear weights start at std 1/sqrt(d_model) unless init_std is given (output projections
+    scaled down by 1/sqrt(2 n_layers)); GPT-2's 0.02 stays available."""
+    for d_model in (64, 256):
+        model = Transformer(TransformerConfig(d_model=d_model, n_layers=2, n_heads=4))
+        qkv = model.blocks[0].attn.compute.qkv.weight
+        assert abs(qkv.std().item() * d_model**0.5 - 1) < 0.05
+        proj = model.blocks[1].mlp.compute.proj.weight
+        assert abs(proj.std().item() * (d_model * model.cfg.n_sublayers) ** 0.5 - 1) < 0.05
+    given = Transformer(TransformerConfig(d_model=64, n_layers=2, n_heads=4, init_std=0.02))
+    assert abs(given.blocks[0].attn.compute.qkv.weight.std().item() / 0.02 - 1) < 0.05
+    with pytest.raises(ValueError, match="init_std must be positive"):
+        TransformerConfig(init_std=0.0)
