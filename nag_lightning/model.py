@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nag_lightning.kv_cache import CachedPass, KVCache
 from nag_lightning.residuals import ResidualStrategy, State, build_residual
 from nag_lightning.routers import Route, Router, build_router
 
@@ -175,6 +176,32 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2)[b, slot].flatten(-2))  # (N, C)
 
+    def forward_cached(
+        self, h: Tensor, b: Tensor, t: Tensor, executed: Tensor, positions: Tensor, cache: KVCache
+    ) -> Tensor:
+        """New executed tokens only, appended to `cache`: h (N, C) at batch rows b and columns t
+        (N,) of the new tokens' mask `executed` (B, T), at original positions `positions` (N,).
+        Their keys and values join the row's cached ones after them (a row's new tokens follow its
+        cached tokens in position order), and each attends to its row's cached entries and to the
+        new executed tokens up to itself: the rule of `forward_routed`, one chunk at a time."""
+        q, k, v = self._qkv(h, positions)  # (N, H, D)
+        rank = (executed.cumsum(1) - 1)[b, t]  # place among the row's new executed tokens
+        first = cache.length  # (B,) each row's first free slot
+        cache.write(b, first[b] + rank, k, v, executed.sum(1))
+        K = int(rank.max()) + 1
+        queries = q.new_zeros(executed.shape[0], K, *q.shape[1:])  # (B, K, H, D)
+        queries[b, rank] = q
+        keys, values = cache.entries()  # (B, H, S, D)
+        # Query r of row b sits in slot first[b] + r and sees the slots up to it. A padding query
+        # (its row has fewer new tokens) sees at least slot 0, so no row of the mask is empty;
+        # its output is dropped.
+        own = first[:, None, None] + torch.arange(K, device=h.device)[:, None]  # (B, K, 1)
+        seen = torch.arange(keys.shape[2], device=h.device) <= own  # (B, K, S)
+        y = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys, values, attn_mask=seen.unsqueeze(1)
+        )  # (B, H, K, D)
+        return self.proj(y.transpose(1, 2)[b, rank].flatten(-2))  # (N, C)
+
 
 class SwiGLU(nn.Module):
     """MLP: proj(silu(x W1) * x W3), no biases."""
@@ -209,19 +236,29 @@ class Sublayer(nn.Module):
         self.contribution: Tensor | None = None
         self.state_norm: Tensor | None = None
 
-    def forward(self, state: State, strategy: ResidualStrategy) -> State:
+    def forward(self, state: State, strategy: ResidualStrategy, cached: CachedPass | None = None) -> State:
+        """The sublayer over the whole sequence, or, with `cached`, over new tokens only: attention
+        then reads and extends the KV cache, padding executes nothing, the router only decides
+        (nothing is learned or recorded), and a sublayer no token runs costs nothing."""
         # (B, T, C); cast for models held in low precision while the state lanes stay fp32
         h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
         route: Route = self.router(h)
-        need_angle = self.record or getattr(self.router, "needs_contribution", False)
-        if route.executed is None:
+        executed = route.executed if cached is None else cached.executes(self.index, route.executed)
+        need_angle = cached is None and (self.record or getattr(self.router, "needs_contribution", False))
+        if executed is None:
             f = self.compute(h)
             state, angle = strategy.write(state, f, route.gate, self.index, need_angle)
             self.executed_per_seq = torch.full(h.shape[:1], h.shape[1], device=h.device)
         else:
-            b, t = route.executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
-            if self.kind == "attn":
-                f = self.compute.forward_routed(h[b, t], b, t, route.executed)
+            b, t = executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
+            if cached is not None and b.numel() == 0:
+                return state
+            if cached is not None and self.kind == "attn":
+                f = self.compute.forward_cached(
+                    h[b, t], b, t, executed, cached.positions[b, t], cached.caches[self.index]
+                )
+            elif self.kind == "attn":
+                f = self.compute.forward_routed(h[b, t], b, t, executed)
             else:
                 f = self.compute(h[b, t])  # (N, C)
             gate = None if route.gate is None else route.gate[b, t]
@@ -232,7 +269,9 @@ class Sublayer(nn.Module):
             if angle_executed is not None:
                 angle = h.new_zeros(h.shape[:2], dtype=angle_executed.dtype)
                 angle[b, t] = angle_executed  # a skipped token is not turned at all
-            self.executed_per_seq = route.executed.sum(1)
+            self.executed_per_seq = executed.sum(1)
+        if cached is not None:
+            return state
         self.router.observe(h, route, angle)
         if self.record:
             self.contribution = angle
@@ -248,8 +287,10 @@ class Block(nn.Module):
         self.attn = attn
         self.mlp = mlp
 
-    def forward(self, state: State, strategy: ResidualStrategy) -> State:
-        return self.mlp(self.attn(state, strategy), strategy)
+    def forward(self, state: State, strategy: ResidualStrategy, cached: CachedPass | None = None) -> State:
+        if cached is None:  # the training path calls sublayers exactly as before
+            return self.mlp(self.attn(state, strategy), strategy)
+        return self.mlp(self.attn(state, strategy, cached), strategy, cached)
 
 
 @dataclass
@@ -318,12 +359,20 @@ class Transformer(nn.Module):
                 f"The input has {T} tokens, more than model.seq_len = {self.cfg.seq_len}; "
                 "shorten it or raise model.seq_len."
             )
-        state = self.strategy.init_state(self.embed(idx))
-        for block in self.blocks:
-            state = block(state, self.strategy)
-        features, scale = self.strategy.final(state)
-        logits = self.head(features.to(self.head.weight.dtype))
-        if scale is not None:
-            logits = logits * scale
+        logits = self.readout(self.stream(idx))
         aux = sum((s.router.aux_loss for s in self.sublayers), idx.new_zeros((), dtype=torch.float))
         return TransformerOutput(logits=logits, aux_loss=aux)
+
+    def stream(self, idx: Tensor, cached: CachedPass | None = None) -> State:
+        """The residual state (B, T, ...) after the last block, for token ids idx (B, T); with
+        `cached`, idx holds new tokens only and the earlier ones are in its KV caches."""
+        state = self.strategy.init_state(self.embed(idx))
+        for block in self.blocks:
+            state = block(state, self.strategy) if cached is None else block(state, self.strategy, cached)
+        return state
+
+    def readout(self, state: State) -> Tensor:
+        """Logits (..., vocab) of the residual state of any tokens (..., ...)."""
+        features, scale = self.strategy.final(state)
+        logits = self.head(features.to(self.head.weight.dtype))
+        return logits if scale is None else logits * scale
