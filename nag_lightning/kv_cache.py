@@ -46,18 +46,43 @@ class KVCache:
         self.limit = limit
         self._used = 0  # host copy of length.max(): the slots attention reads
 
-    def write(self, b: Tensor, slot: Tensor, k: Tensor, v: Tensor, added: Tensor) -> None:
-        """Store k, v (N, H, D) of rows b at slots `slot` (N,); `added` (B,) new entries per row."""
-        self.length = self.length + added
-        self._used = int(self.length.max())
+    def append(self, k: Tensor, v: Tensor) -> Tensor:
+        """Store k, v (B, T, H, D) of T new tokens of every row after the row's entries; returns
+        each row's first new slot (B,)."""
+        first = self.length
+        T = k.shape[1]
+        self._extend(first + T)
+        if k.shape[0] == 1:  # one row: a slice, no scattered writes
+            start = self._used - T
+            self.k[:, :, start : self._used] = k.transpose(1, 2)
+            self.v[:, :, start : self._used] = v.transpose(1, 2)
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None].expand(-1, T)
+            slots = first[:, None] + torch.arange(T, device=k.device)
+            self.k[rows, :, slots] = k
+            self.v[rows, :, slots] = v
+        return first
+
+    def write(self, b: Tensor, rank: Tensor, k: Tensor, v: Tensor, added: Tensor) -> Tensor:
+        """Store k, v (N, H, D) of rows b, the rank-th new entry of each (N,), after the row's
+        entries; `added` (B,) new entries per row. Returns each row's first new slot (B,)."""
+        first = self.length
+        self._extend(first + added)
+        slot = first[b] + rank
+        self.k[b, :, slot] = k
+        self.v[b, :, slot] = v
+        return first
+
+    def _extend(self, length: Tensor) -> None:
+        """Set the rows' entry counts, growing the storage when a row needs more slots."""
+        self.length = length
+        self._used = int(length.max())
         if self._used > self.k.shape[2]:
             capacity = min(max(self.limit, self._used), -(-self._used * 5 // 4 // 16) * 16)
             grown = self.k.new_zeros(2, *self.k.shape[:2], capacity, self.k.shape[3])
             grown[0, :, :, : self.k.shape[2]] = self.k
             grown[1, :, :, : self.v.shape[2]] = self.v
             self.k, self.v = grown.unbind(0)
-        self.k[b, :, slot] = k
-        self.v[b, :, slot] = v
 
     def entries(self) -> tuple[Tensor, Tensor]:
         """Keys and values (B, H, S, D) of the slots in use by any row."""
@@ -101,14 +126,13 @@ class CachedPass:
     valid: Tensor | None = None
     executed: list[Tensor | None] = field(default_factory=list)
 
-    def executes(self, index: int, executed: Tensor | None) -> Tensor | None:
-        """The tokens that run sublayer `index` given the router's decision `executed` (None: all):
-        real tokens only, and an explicit mask for attention, which always works on the packed
-        executed tokens. Recorded for `executed_counts`."""
+    def executes(self, executed: Tensor | None) -> Tensor | None:
+        """The tokens that run the sublayer given the router's decision `executed` (None: all):
+        real tokens only; None when that is every token. Recorded for `executed_counts`."""
         if self.valid is not None:
             executed = self.valid if executed is None else executed & self.valid
-        if executed is None and index in self.caches:
-            executed = torch.ones_like(self.positions, dtype=torch.bool)
+        elif executed is not None and bool(executed.all()):
+            executed = None  # every token runs: no gather and scatter
         self.executed.append(executed)
         return executed
 

@@ -176,31 +176,45 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2)[b, slot].flatten(-2))  # (N, C)
 
-    def forward_cached(
+    def forward_cached(self, h: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        """Every new token: h (B, T, C) at original positions (B, T), after the tokens in `cache`.
+        Their keys and values are appended to it, and each attends to its row's cached entries
+        and to the new tokens up to itself. -> (B, T, C)"""
+        q, k, v = self._qkv(h, positions)  # (B, T, H, D)
+        first = cache.append(k, v)
+        return self.proj(self._attend_cached(q, first, cache))
+
+    def forward_cached_routed(
         self, h: Tensor, b: Tensor, t: Tensor, executed: Tensor, positions: Tensor, cache: KVCache
     ) -> Tensor:
-        """New executed tokens only, appended to `cache`: h (N, C) at batch rows b and columns t
-        (N,) of the new tokens' mask `executed` (B, T), at original positions `positions` (N,).
-        Their keys and values join the row's cached ones after them (a row's new tokens follow its
-        cached tokens in position order), and each attends to its row's cached entries and to the
-        new executed tokens up to itself: the rule of `forward_routed`, one chunk at a time."""
+        """New executed tokens only: h (N, C) at batch rows b and columns t (N,) of the mask
+        `executed` (B, T) of the new tokens, at original positions (N,). The rule of
+        `forward_routed`, one chunk at a time: a row's executed tokens join its cached ones, in
+        position order, and attend to them and to each other causally. -> (N, C)"""
         q, k, v = self._qkv(h, positions)  # (N, H, D)
         rank = (executed.cumsum(1) - 1)[b, t]  # place among the row's new executed tokens
-        first = cache.length  # (B,) each row's first free slot
-        cache.write(b, first[b] + rank, k, v, executed.sum(1))
-        K = int(rank.max()) + 1
-        queries = q.new_zeros(executed.shape[0], K, *q.shape[1:])  # (B, K, H, D)
+        first = cache.write(b, rank, k, v, executed.sum(1))
+        queries = q.new_zeros(executed.shape[0], int(rank.max()) + 1, *q.shape[1:])  # (B, K, H, D)
         queries[b, rank] = q
+        return self.proj(self._attend_cached(queries, first, cache)[b, rank])
+
+    def _attend_cached(self, q: Tensor, first: Tensor, cache: KVCache) -> Tensor:
+        """Queries q (B, K, H, D) in slots first[b] + 0 .. K - 1 of their rows, each seeing its
+        row's slots up to its own. -> (B, K, H * D) before the output projection."""
+        B, K = q.shape[:2]
         keys, values = cache.entries()  # (B, H, S, D)
-        # Query r of row b sits in slot first[b] + r and sees the slots up to it. A padding query
-        # (its row has fewer new tokens) sees at least slot 0, so no row of the mask is empty;
-        # its output is dropped.
-        own = first[:, None, None] + torch.arange(K, device=h.device)[:, None]  # (B, K, 1)
-        seen = torch.arange(keys.shape[2], device=h.device) <= own  # (B, K, S)
-        y = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys, values, attn_mask=seen.unsqueeze(1)
-        )  # (B, H, K, D)
-        return self.proj(y.transpose(1, 2)[b, rank].flatten(-2))  # (N, C)
+        S = keys.shape[2]
+        if B == 1 and (K == 1 or S == K):
+            # one sequence, so every slot is its own: the newest token sees them all, and a chunk
+            # that fills an empty cache is plain causal attention
+            mask, causal = None, K > 1
+        else:
+            # A padding query (its row has fewer new tokens) sees at least slot 0, so no row of
+            # the mask is empty; its output is dropped. Slots past a row's own are never seen.
+            own = first[:, None, None] + torch.arange(K, device=q.device)[:, None]  # (B, K, 1)
+            mask, causal = (torch.arange(S, device=q.device) <= own).unsqueeze(1), False
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal)
+        return y.transpose(1, 2).flatten(-2)
 
 
 class SwiGLU(nn.Module):
@@ -243,10 +257,13 @@ class Sublayer(nn.Module):
         # (B, T, C); cast for models held in low precision while the state lanes stay fp32
         h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
         route: Route = self.router(h)
-        executed = route.executed if cached is None else cached.executes(self.index, route.executed)
+        executed = route.executed if cached is None else cached.executes(route.executed)
         need_angle = cached is None and (self.record or getattr(self.router, "needs_contribution", False))
         if executed is None:
-            f = self.compute(h)
+            if cached is not None and self.kind == "attn":
+                f = self.compute.forward_cached(h, cached.positions, cached.caches[self.index])
+            else:
+                f = self.compute(h)
             state, angle = strategy.write(state, f, route.gate, self.index, need_angle)
             self.executed_per_seq = torch.full(h.shape[:1], h.shape[1], device=h.device)
         else:
@@ -254,7 +271,7 @@ class Sublayer(nn.Module):
             if cached is not None and b.numel() == 0:
                 return state
             if cached is not None and self.kind == "attn":
-                f = self.compute.forward_cached(
+                f = self.compute.forward_cached_routed(
                     h[b, t], b, t, executed, cached.positions[b, t], cached.caches[self.index]
                 )
             elif self.kind == "attn":
