@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nag_lightning.kv_cache import CachedPass, KVCache
 from nag_lightning.residuals import ResidualStrategy, State, build_residual
 from nag_lightning.routers import Route, Router, build_router
 
@@ -183,6 +184,46 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2)[b, slot].flatten(-2))  # (N, C)
 
+    def forward_cached(self, h: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        """Every new token: h (B, T, C) at original positions (B, T), after the tokens in `cache`.
+        Their keys and values are appended to it, and each attends to its row's cached entries
+        and to the new tokens up to itself. -> (B, T, C)"""
+        q, k, v = self._qkv(h, positions)  # (B, T, H, D)
+        first = cache.append(k, v)
+        return self.proj(self._attend_cached(q, first, cache))
+
+    def forward_cached_routed(
+        self, h: Tensor, b: Tensor, t: Tensor, executed: Tensor, positions: Tensor, cache: KVCache
+    ) -> Tensor:
+        """New executed tokens only: h (N, C) at batch rows b and columns t (N,) of the mask
+        `executed` (B, T) of the new tokens, at original positions (N,). The rule of
+        `forward_routed`, one chunk at a time: a row's executed tokens join its cached ones, in
+        position order, and attend to them and to each other causally. -> (N, C)"""
+        q, k, v = self._qkv(h, positions)  # (N, H, D)
+        rank = (executed.cumsum(1) - 1)[b, t]  # place among the row's new executed tokens
+        first = cache.write(b, rank, k, v, executed.sum(1))
+        queries = q.new_zeros(executed.shape[0], int(rank.max()) + 1, *q.shape[1:])  # (B, K, H, D)
+        queries[b, rank] = q
+        return self.proj(self._attend_cached(queries, first, cache)[b, rank])
+
+    def _attend_cached(self, q: Tensor, first: Tensor, cache: KVCache) -> Tensor:
+        """Queries q (B, K, H, D) in slots first[b] + 0 .. K - 1 of their rows, each seeing its
+        row's slots up to its own. -> (B, K, H * D) before the output projection."""
+        B, K = q.shape[:2]
+        keys, values = cache.entries()  # (B, H, S, D)
+        S = keys.shape[2]
+        if B == 1 and (K == 1 or S == K):
+            # one sequence, so every slot is its own: the newest token sees them all, and a chunk
+            # that fills an empty cache is plain causal attention
+            mask, causal = None, K > 1
+        else:
+            # A padding query (its row has fewer new tokens) sees at least slot 0, so no row of
+            # the mask is empty; its output is dropped. Slots past a row's own are never seen.
+            own = first[:, None, None] + torch.arange(K, device=q.device)[:, None]  # (B, K, 1)
+            mask, causal = (torch.arange(S, device=q.device) <= own).unsqueeze(1), False
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal)
+        return y.transpose(1, 2).flatten(-2)
+
 
 class SwiGLU(nn.Module):
     """MLP: proj(silu(x W1) * x W3), no biases."""
@@ -217,19 +258,32 @@ class Sublayer(nn.Module):
         self.contribution: Tensor | None = None
         self.state_norm: Tensor | None = None
 
-    def forward(self, state: State, strategy: ResidualStrategy) -> State:
+    def forward(self, state: State, strategy: ResidualStrategy, cached: CachedPass | None = None) -> State:
+        """The sublayer over the whole sequence, or, with `cached`, over new tokens only: attention
+        then reads and extends the KV cache, padding executes nothing, the router only decides
+        (nothing is learned or recorded), and a sublayer no token runs costs nothing."""
         # (B, T, C); cast for models held in low precision while the state lanes stay fp32
         h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
         route: Route = self.router(h)
-        need_angle = self.record or getattr(self.router, "needs_contribution", False)
-        if route.executed is None:
-            f = self.compute(h)
+        executed = route.executed if cached is None else cached.executes(route.executed)
+        need_angle = cached is None and (self.record or getattr(self.router, "needs_contribution", False))
+        if executed is None:
+            if cached is not None and self.kind == "attn":
+                f = self.compute.forward_cached(h, cached.positions, cached.caches[self.index])
+            else:
+                f = self.compute(h)
             state, angle = strategy.write(state, f, route.gate, self.index, need_angle)
             self.executed_per_seq = torch.full(h.shape[:1], h.shape[1], device=h.device)
         else:
-            b, t = route.executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
-            if self.kind == "attn":
-                f = self.compute.forward_routed(h[b, t], b, t, route.executed)
+            b, t = executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
+            if cached is not None and b.numel() == 0:
+                return state
+            if cached is not None and self.kind == "attn":
+                f = self.compute.forward_cached_routed(
+                    h[b, t], b, t, executed, cached.positions[b, t], cached.caches[self.index]
+                )
+            elif self.kind == "attn":
+                f = self.compute.forward_routed(h[b, t], b, t, executed)
             else:
                 f = self.compute(h[b, t])  # (N, C)
             gate = None if route.gate is None else route.gate[b, t]
@@ -242,7 +296,9 @@ class Sublayer(nn.Module):
             if angle_executed is not None:
                 angle = h.new_zeros(h.shape[:2], dtype=angle_executed.dtype)
                 angle[b, t] = angle_executed  # a skipped token is not turned at all
-            self.executed_per_seq = route.executed.sum(1)
+            self.executed_per_seq = executed.sum(1)
+        if cached is not None:
+            return state
         self.router.observe(h, route, angle)
         if self.record:
             self.contribution = angle
@@ -258,8 +314,10 @@ class Block(nn.Module):
         self.attn = attn
         self.mlp = mlp
 
-    def forward(self, state: State, strategy: ResidualStrategy) -> State:
-        return self.mlp(self.attn(state, strategy), strategy)
+    def forward(self, state: State, strategy: ResidualStrategy, cached: CachedPass | None = None) -> State:
+        if cached is None:  # the training path calls sublayers exactly as before
+            return self.mlp(self.attn(state, strategy), strategy)
+        return self.mlp(self.attn(state, strategy, cached), strategy, cached)
 
 
 @dataclass
@@ -330,12 +388,20 @@ class Transformer(nn.Module):
                 f"The input has {T} tokens, more than model.seq_len = {self.cfg.seq_len}; "
                 "shorten it or raise model.seq_len."
             )
-        state = self.strategy.init_state(self.embed(idx))
-        for block in self.blocks:
-            state = block(state, self.strategy)
-        features, scale = self.strategy.final(state)
-        logits = self.head(features.to(self.head.weight.dtype))
-        if scale is not None:
-            logits = logits * scale
+        logits = self.readout(self.stream(idx))
         aux = sum((s.router.aux_loss for s in self.sublayers), idx.new_zeros((), dtype=torch.float))
         return TransformerOutput(logits=logits, aux_loss=aux)
+
+    def stream(self, idx: Tensor, cached: CachedPass | None = None) -> State:
+        """The residual state (B, T, ...) after the last block, for token ids idx (B, T); with
+        `cached`, idx holds new tokens only and the earlier ones are in its KV caches."""
+        state = self.strategy.init_state(self.embed(idx))
+        for block in self.blocks:
+            state = block(state, self.strategy) if cached is None else block(state, self.strategy, cached)
+        return state
+
+    def readout(self, state: State) -> Tensor:
+        """Logits (..., vocab) of the residual state of any tokens (..., ...)."""
+        features, scale = self.strategy.final(state)
+        logits = self.head(features.to(self.head.weight.dtype))
+        return logits if scale is None else logits * scale
