@@ -9,7 +9,9 @@ same `Sublayer` wrapper:
                                              │
     state' <─ scatter <─ strategy.write(gathered state, f, gate) ┘
 
-so a residual strategy never sees routing and a router never sees the residual state.
+so a residual strategy never sees routing and a router never sees the residual state. Generation
+runs the same path over new tokens only (`stream(idx, cached)`): attention then reads and extends
+the KV cache of its executed tokens (`nag_lightning.kv_cache`, driven by `nag_lightning.inference`).
 Shapes: B batch, T sequence, C = d_model, N executed tokens, K executed tokens of the longest
 sequence (the padded width routed attention runs at), H heads, D head width.
 """
