@@ -25,8 +25,10 @@ SIGN = {"class_path": "tests.test_flops.SignRouter"}  # data-dependent executed 
 
 def model(router: str | dict = "none") -> NAGLanguageModel:
     torch.manual_seed(0)
+    # A constant learning rate after warmup: the cosine schedule would depend on max_steps, so runs
+    # with different step limits would train (and route, so spend) differently.
     return NAGLanguageModel(d_model=16, n_layers=2, n_heads=2, seq_len=SEQ, router=router,
-                            warmup_steps=1, lr=1e-2)
+                            warmup_steps=1, lr=1e-2, min_lr_ratio=1.0)
 
 
 def loader() -> DataLoader:
