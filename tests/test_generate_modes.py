@@ -44,7 +44,7 @@ def test_generation_that_fails_restores_modes(monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("sampling failed")
 
-    monkeypatch.setattr(generate_module, "sample_next", fail)
+    monkeypatch.setattr(generate_module, "sample", fail)
     with pytest.raises(RuntimeError, match="sampling failed"):
         generate_tokens(model, list(b"def "), 3)
     assert modes(model) == before
