@@ -14,6 +14,7 @@ import torch
 from nag_lightning.analysis.compare import compare
 from nag_lightning.cli import main
 from nag_lightning.runs import claim_version, latest_run
+from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
@@ -30,15 +31,6 @@ trainer:
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("data_cache"))
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str]:
-    try:
-        main(args)
-        status = 0
-    except SystemExit as exit_:
-        status = exit_.code if isinstance(exit_.code, int) else 1
-    return status, capsys.readouterr().err
 
 
 def two_loggers(tmp_path: Path) -> str:
