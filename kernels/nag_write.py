@@ -1,7 +1,8 @@
 """Fused NAG write: Triton forward and backward kernels (DESIGN.md section 2).
 
 The math lives in `reference.py` (the ground truth this file is tested against). Per row: one
-dot product, two norms of d-vectors, a handful of scalar ops, one renormalisation. Unfused in
+max-abs (the power-of-two scale that keeps ||f_perp||^2 from overflowing), one dot product, two
+norms of d-vectors, a handful of scalar ops, one renormalisation. Unfused in
 PyTorch that is about a dozen kernel launches and as many round trips of a (rows, d) tensor
 through memory; here it is one read of (u, f) and one write of (u', h_next) per row, so the aim
 is copy bandwidth. (GPU figures: docs/kernels.md; not measured yet.)
@@ -62,35 +63,57 @@ def _tanh(x):
     # tl has no tanh, and libdevice does not run in the interpreter. The exp form cancels for
     # small |x| (1 - e^{-2|x|} loses all digits below ~1e-8), so use the Taylor series there.
     # Series through x^9 at |x| < 0.25: truncation ~1e-8 relative.
-    x2 = x * x
-    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    # The series takes 0 outside its range, so a huge x does not overflow x^2 on the unused branch.
+    small = tl.abs(x) < 0.25
+    xs = tl.where(small, x, 0.0)
+    x2 = xs * xs
+    series = xs * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     t = tl.where(x < 0.0, -t, t)
-    return tl.where(tl.abs(x) < 0.25, series, t)
+    return tl.where(small, series, t)
+
+
+@triton.jit
+def _row_scale(f):
+    """The largest power of two <= max|f| (1 when max|f| is 0 or subnormal), from the exponent bits
+    of max|f|: the reference's `row_scale`. Dividing by it is exact, and the scaled row's sum of
+    squares cannot overflow for any finite f."""
+    peak = tl.max(tl.abs(f), axis=0)
+    m = (peak.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(m > 0.0, m, 1.0)
 
 
 @triton.jit
 def _recompute_row(u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL: tl.constexpr):
-    """The forward of one row up to the renormalisation; shared by both kernels."""
-    a = tl.sum(f * u, axis=0)
-    f_perp = f - a * u
-    n = tl.sqrt(tl.sum(f_perp * f_perp, axis=0))
+    """The forward of one row up to the renormalisation; shared by both kernels. Works on
+    f_hat = f / m (m = _row_scale(f)): a = m a_hat, n = m n_hat, and raw takes s_hat f_perp_hat,
+    which is s f_perp with s = sin(theta) / n."""
+    m = _row_scale(f)
+    f_hat = f / m
+    a_hat = tl.sum(f_hat * u, axis=0)
+    f_perp_hat = f_hat - a_hat * u
+    n_hat = tl.sqrt(tl.sum(f_perp_hat * f_perp_hat, axis=0))
+    n = m * n_hat
     k = g * alpha * inv_sqrt_d
     if RATIONAL:
-        theta = theta_max * (k * n) / (theta_max + tl.abs(k * n))
+        # the reference's two forms: exact for small |x|, |theta| <= theta_max for large
+        x = k * n
+        denom = theta_max + tl.abs(x)
+        far = 1.0 - theta_max / denom
+        theta = theta_max * tl.where(tl.abs(x) < theta_max, x / denom, tl.where(x < 0.0, -far, far))
     else:
         theta = theta_max * _tanh(k * n / theta_max)
     cos_t = tl.cos(theta)
     sin_t = tl.sin(theta)
     big = n > eps
-    n_safe = tl.where(big, n, 1.0)
-    s = tl.where(big, sin_t / n_safe, k)
-    raw = cos_t * u + s * f_perp
+    n_hat_safe = tl.where(big, n_hat, 1.0)
+    s_hat = tl.where(big, sin_t / n_hat_safe, k * m)
+    raw = cos_t * u + s_hat * f_perp_hat
     norm_u = tl.sqrt(tl.sum(u * u, axis=0))
     norm_raw = tl.sqrt(tl.sum(raw * raw, axis=0))
     norm_raw_safe = tl.where(norm_raw > 0.0, norm_raw, 1.0)
-    return a, f_perp, n, k, theta, cos_t, sin_t, s, raw, norm_u, norm_raw_safe
+    return m, f_hat, a_hat, f_perp_hat, n_hat, n, k, theta, cos_t, sin_t, s_hat, raw, norm_u, norm_raw_safe
 
 
 @triton.jit
@@ -114,13 +137,13 @@ def _nag_write_fwd_kernel(
     alpha = tl.load(ALPHA).to(tl.float32)
     beta = tl.load(BETA).to(tl.float32)
 
-    a, f_perp, n, k, theta, cos_t, sin_t, s, raw, norm_u, norm_raw_safe = _recompute_row(
-        u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL
+    m, f_hat, a_hat, f_perp_hat, n_hat, n, k, theta, cos_t, sin_t, s_hat, raw, norm_u, norm_raw_safe = (
+        _recompute_row(u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL)
     )
     u_new = raw * (norm_u / norm_raw_safe)
     tl.store(U_OUT + offs, u_new.to(U_OUT.dtype.element_ty), mask=mask)
     rho = tl.load(RHO + row).to(tl.float32)
-    rho_new = rho + g * beta * a * inv_sqrt_d
+    rho_new = rho + g * beta * (m * a_hat) * inv_sqrt_d
     tl.store(RHO_OUT + row, rho_new.to(RHO_OUT.dtype.element_ty))
     tl.store(THETA_OUT + row, theta.to(THETA_OUT.dtype.element_ty))
     if HAS_GAMMA:
@@ -160,8 +183,8 @@ def _nag_write_bwd_kernel(
             g = tl.load(G + row).to(tl.float32)
         else:
             g = 1.0
-        a, f_perp, n, k, theta, cos_t, sin_t, s, raw, norm_u, norm_raw_safe = _recompute_row(
-            u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL
+        m, f_hat, a_hat, f_perp_hat, n_hat, n, k, theta, cos_t, sin_t, s_hat, raw, norm_u, norm_raw_safe = (
+            _recompute_row(u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL)
         )
         r = norm_u / norm_raw_safe
 
@@ -182,48 +205,53 @@ def _nag_write_bwd_kernel(
         norm_u_safe = tl.where(norm_u > 0.0, norm_u, 1.0)
         du = (q / (norm_raw_safe * norm_u_safe)) * u
 
-        # raw = cos(theta) u + s f_perp
+        # Gradients are taken with respect to the scaled row f_hat = f / m (m a constant), so no
+        # intermediate grows with |f|; df = g_fhat / m at the end.
+        # raw = cos(theta) u + s_hat f_perp_hat
         g_cos = tl.sum(g_raw * u, axis=0)
-        g_s = tl.sum(g_raw * f_perp, axis=0)
-        g_fperp = s * g_raw
+        g_s = tl.sum(g_raw * f_perp_hat, axis=0)
+        g_fperp = s_hat * g_raw
         du += cos_t * g_raw
 
-        # s = sin(theta) / n if n > eps else k; theta = bound(k n), with dtheta/d(kn) =
-        # 1 - tanh^2 (tanh) or (1 - |theta| / theta_max)^2 (rational).
+        # s_hat = sin(theta) / n_hat if n > eps else k m; theta = bound(k m n_hat), with
+        # dtheta/d(kn) = 1 - tanh^2 (tanh) or (1 - |theta| / theta_max)^2 (rational).
         big = n > eps
-        n_safe = tl.where(big, n, 1.0)
-        g_theta = -sin_t * g_cos + tl.where(big, cos_t / n_safe * g_s, 0.0)
+        n_hat_safe = tl.where(big, n_hat, 1.0)
+        g_theta = -sin_t * g_cos + tl.where(big, cos_t / n_hat_safe * g_s, 0.0)
         if HAS_GTHETA:
             g_theta += tl.load(GTHETA + row).to(tl.float32)
-        g_k = tl.where(big, 0.0, g_s)
-        g_n = tl.where(big, -sin_t / (n_safe * n_safe) * g_s, 0.0)
-        t = theta / theta_max
-        if RATIONAL:
-            g_traw = g_theta * (1.0 - tl.abs(t)) * (1.0 - tl.abs(t))
+        g_k = tl.where(big, 0.0, g_s * m)
+        g_n = tl.where(big, -sin_t / (n_hat_safe * n_hat_safe) * g_s, 0.0)  # d / d n_hat
+        if RATIONAL:  # theta_max^2 / (theta_max + |x|)^2, with no cancellation as theta -> theta_max
+            r = theta_max / (theta_max + tl.abs(k * n))
+            g_traw = g_theta * r * r
         else:
+            t = theta / theta_max
             g_traw = g_theta * (1.0 - t * t)
         g_k += g_traw * n
-        g_n += g_traw * k
+        g_n += g_traw * (k * m)
 
-        # n = ||f_perp|| (gradient 0 at n = 0, as torch's norm), f_perp = f - a u.
-        n_pos = tl.where(n > 0.0, n, 1.0)
-        g_fperp += (g_n / n_pos) * f_perp
-        g_a = -tl.sum(g_fperp * u, axis=0)
-        du += -a * g_fperp
+        # n_hat = ||f_perp_hat|| (gradient 0 at 0, as torch's norm), f_perp_hat = f_hat - a_hat u.
+        n_pos = tl.where(n_hat > 0.0, n_hat, 1.0)
+        g_fperp += (g_n / n_pos) * f_perp_hat
+        g_a = -tl.sum(g_fperp * u, axis=0)  # d / d a_hat
+        du += -a_hat * g_fperp
         df = g_fperp
 
-        # rho' = rho + g beta a / sqrt(d)
+        # rho' = rho + g beta m a_hat / sqrt(d)
         g_g = g_k * alpha * inv_sqrt_d
         if HAS_GRHO:
             grho = tl.load(GRHO_NEW + row).to(tl.float32)
-            g_a += grho * g * beta * inv_sqrt_d
+            a = m * a_hat
+            g_a += grho * g * beta * m * inv_sqrt_d
             g_g += grho * beta * a * inv_sqrt_d
             dbeta_acc += grho * g * a * inv_sqrt_d
         dalpha_acc += g_k * g * inv_sqrt_d
 
-        # a = <f, u>
+        # a_hat = <f_hat, u>
         df += g_a * u
-        du += g_a * f
+        du += g_a * f_hat
+        df = df / m
 
         tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
         tl.store(DF + offs, df.to(DF.dtype.element_ty), mask=mask)

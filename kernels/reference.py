@@ -9,6 +9,7 @@ lane::
 
     a       = <f, u>                      radial part of the update
     f_perp  = f - a u                     tangential part, n = ||f_perp||
+                                          (both computed on f / 2^k, see `row_scale`)
     x       = g * alpha * n / sqrt(d)     unbounded rotation angle
     theta   = theta_max * tanh(x / theta_max)          bound "tanh", or
               theta_max * x / (theta_max + |x|)        bound "rational"
@@ -44,8 +45,27 @@ def bound_angle(x: torch.Tensor, theta_max: float, bound: str) -> torch.Tensor:
     if bound == "tanh":
         return theta_max * torch.tanh(x / theta_max)
     if bound == "rational":
-        return theta_max * x / (theta_max + x.abs())
+        # Two forms of the same function: x / (theta_max + |x|) is accurate for small |x|; past
+        # theta_max, 1 - theta_max / (theta_max + |x|) keeps |theta| <= theta_max and gives
+        # autograd a derivative without the cancellation of the quotient rule (1/D - |x|/D^2).
+        denom = theta_max + x.abs()
+        near = x / denom
+        far = torch.sign(x) * (1 - theta_max / denom)
+        return theta_max * torch.where(x.abs() < theta_max, near, far)
     raise ValueError(f"bound must be one of {BOUNDS}; got {bound!r}.")
+
+
+def row_scale(f: torch.Tensor) -> torch.Tensor:
+    """Per row of f (..., d), the largest power of two <= max|f| (1 when max|f| is 0 or subnormal).
+
+    Dividing by it is exact and brings the row's largest element into [1, 2), so squares and sums
+    of squares of the scaled row cannot overflow or underflow, for any finite f. The kernels take
+    the same value from the exponent bits of max|f|. It is a constant of the computation (every
+    output is invariant to it), so it carries no gradient."""
+    peak = f.detach().abs().amax(-1)
+    _, exponent = torch.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [0.5, 1)
+    one = torch.ones_like(peak)
+    return torch.where(peak >= torch.finfo(peak.dtype).tiny, torch.ldexp(one, exponent - 1), one)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -90,17 +110,23 @@ def nag_write_reference(
     gate = 1.0 if g is None else g.to(ct)  # (...,) or scalar
     k = gate * alpha.to(ct) * inv_sqrt_d  # (...,): dtheta/dn at n = 0
 
-    a = (f32 * u32).sum(-1)  # (...,)
-    f_perp = f32 - a[..., None] * u32  # (..., d)
-    n = torch.linalg.vector_norm(f_perp, dim=-1)  # (...,)
+    # Work on f / m (m = row_scale(f), a power of two), so ||f_perp||^2 cannot overflow however
+    # large f is: n = m * ||f_perp / m|| and f_perp / n = (f_perp / m) / (n / m).
+    m = row_scale(f32)  # (...,)
+    f_hat = f32 / m[..., None]  # (..., d), exact: m is a power of two
+    a_hat = (f_hat * u32).sum(-1)  # (...,)
+    f_perp_hat = f_hat - a_hat[..., None] * u32  # (..., d)
+    n_hat = torch.linalg.vector_norm(f_perp_hat, dim=-1)  # (...,)
+    a, n = m * a_hat, m * n_hat
     theta = bound_angle(k * n, theta_max, bound)
 
     # Divide by n only where it is safe; the where() on n itself keeps NaN out of the gradients.
+    # s_hat = sin(theta) / n_hat multiplies f_perp / m: the same term as sin(theta) / n times f_perp.
     small = n <= EPS
-    n_safe = torch.where(small, torch.ones_like(n), n)
-    s = torch.where(small, k * torch.ones_like(n), torch.sin(theta) / n_safe)
+    n_hat_safe = torch.where(small, torch.ones_like(n_hat), n_hat)
+    s_hat = torch.where(small, k * m, torch.sin(theta) / n_hat_safe)
 
-    raw = torch.cos(theta)[..., None] * u32 + s[..., None] * f_perp  # (..., d)
+    raw = torch.cos(theta)[..., None] * u32 + s_hat[..., None] * f_perp_hat  # (..., d)
     norm_u = torch.linalg.vector_norm(u32, dim=-1)
     norm_raw = torch.linalg.vector_norm(raw, dim=-1)
     norm_raw_safe = torch.where(norm_raw > 0, norm_raw, torch.ones_like(norm_raw))

@@ -1,17 +1,21 @@
 """nag-lightning: norm-agnostic residual Transformers with Mixture-of-Depths routing.
 
-Importing the package registers the built-in residual strategies and routers. The Lightning parts
-(`NAGLanguageModel`, `ByteDataModule`) load on first use, so the plain-PyTorch model imports
-without Lightning.
+Every public name loads on first use, so `import nag_lightning` (and with it the `nag-lightning`
+command's help) costs no torch or Lightning import; the plain-PyTorch model imports without
+Lightning. Using `RESIDUALS` or `ROUTERS` (or the model) registers the built-in residual strategies
+and routers.
 """
-
-from nag_lightning.model import Transformer, TransformerConfig
-from nag_lightning.residuals import RESIDUALS, ResidualStrategy
-from nag_lightning.routers import ROUTERS, Route, Router
 
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Transformer": "nag_lightning.model",
+    "TransformerConfig": "nag_lightning.model",
+    "RESIDUALS": "nag_lightning.residuals",
+    "ResidualStrategy": "nag_lightning.residuals",
+    "ROUTERS": "nag_lightning.routers",
+    "Route": "nag_lightning.routers",
+    "Router": "nag_lightning.routers",
     "NAGLanguageModel": "nag_lightning.module",
     "ByteDataModule": "nag_lightning.data",
 }
@@ -23,6 +27,10 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'nag_lightning' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
 
 
 __all__ = [

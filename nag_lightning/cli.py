@@ -12,32 +12,40 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from jsonargparse import Namespace
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_only
+if TYPE_CHECKING:
+    from lightning.pytorch.cli import LightningArgumentParser
 
-from nag_lightning.callbacks import DepthDiagnostics
-from nag_lightning.data import ByteDataModule
-from nag_lightning.module import NAGLanguageModel, architecture_differences
-from nag_lightning.trust import TRUST_HELP, check_plugins, read_checkpoint
+    from nag_lightning.runs import RunFolder
 
 CHECKPOINT_ALIASES = ("last", "best", "hpc", "registry")
 VOCAB_OPTION = "--model.vocab_size"
 
 
-class NagCLI(LightningCLI):
-    """LightningCLI with this package's model, data, callbacks and loggers."""
+class NagCLI:
+    """LightningCLI with this package's model, data, callbacks and loggers.
+
+    Written as a mixin and combined with LightningCLI only when a LightningCLI command runs
+    (`lightning_cli_class`): importing Lightning takes seconds, and the help and the commands that
+    do not train should not pay for it.
+    """
+
+    run_folder: RunFolder | None = None
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        from nag_lightning.callbacks import DepthDiagnostics, RunCheckpoint
+        from nag_lightning.trust import TRUST_HELP
+
         parser.link_arguments("model.seq_len", "data.seq_len")
         # The vocabulary follows the tokenizer, known once the data module exists (a BPE is
         # trained then), so the link applies at instantiation.
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.monitor": "val/bpb",
                              "checkpoint.filename": "step{step}-bpb{val/bpb:.4f}",
                              "checkpoint.auto_insert_metric_name": False})
@@ -45,8 +53,20 @@ class NagCLI(LightningCLI):
         parser.add_argument("--trust_checkpoint", type=bool, default=False, help=TRUST_HELP)
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        """Parse, then settle the run's folder: resolve `--ckpt_path last` and claim one version
+        for all loggers (see `nag_lightning.runs`)."""
+        from nag_lightning.runs import prepare_run_folder
+
+        self._parse_setting_vocab_aside(parser, args)
+        subcommand = self.config.get("subcommand")
+        self.run_folder = prepare_run_folder(self.config[subcommand] if subcommand else self.config,
+                                             subcommand)
+
+    def _parse_setting_vocab_aside(self, parser: LightningArgumentParser, args) -> None:
         """LightningCLI's parsing, with a `--model.vocab_size` on the command line set aside (the
         link from data.tokenizer owns that setting) to be checked against the tokenizer."""
+        from jsonargparse import Namespace
+
         self._typed_vocab_size = None
         if isinstance(args, (dict, Namespace)):
             return super().parse_arguments(parser, args)
@@ -69,7 +89,14 @@ class NagCLI(LightningCLI):
         typed = self._typed_vocab_size
         if typed is None:
             typed = config.model.get("vocab_size")  # from a config file: the link replaces it
-        super().instantiate_classes()
+        try:
+            super().instantiate_classes()
+        except BaseException:
+            if self.run_folder is not None:
+                self.run_folder.release()
+            raise
+        if self.run_folder is not None:
+            self.run_folder.attach(self.trainer)
         needed = getattr(self.datamodule, "vocab_size", None)
         if typed is not None and needed is not None and typed != needed:
             raise ValueError(
@@ -94,6 +121,8 @@ class NagCLI(LightningCLI):
         sentence if it is missing or unreadable, names code outside the registries, or, for `fit`,
         has another architecture; then take its model settings, as LightningCLI does, saying
         which of this run's settings they replace."""
+        from nag_lightning.trust import check_plugins, read_checkpoint
+
         subcommand = self.config.get("subcommand")
         if not subcommand:
             return
@@ -145,6 +174,9 @@ def _without_option(argv: list[str], option: str) -> tuple[list[str], str | None
 
 def check_architecture(ckpt_path: str, model_config: dict, saved: dict | None = None) -> None:
     """Raise one sentence if the checkpoint's architecture differs from `model_config`."""
+    from nag_lightning.module import architecture_differences
+    from nag_lightning.trust import read_checkpoint
+
     if saved is None:
         saved = read_checkpoint(ckpt_path).get("hyper_parameters", {})
     differences = architecture_differences(saved, model_config)
@@ -173,14 +205,34 @@ def _plain(value: object) -> object:
     return None if value == {} else value
 
 
-@rank_zero_only
 def _say(line: str) -> None:
-    print(line, file=sys.stderr)
+    """Print on the first rank only (called within LightningCLI, so Lightning is loaded already)."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    rank_zero_only(print)(line, file=sys.stderr)
+
+
+_LIGHTNING_CLI: type | None = None
+
+
+def lightning_cli_class() -> type:
+    """`NagCLI` on top of LightningCLI (built once; the import of Lightning happens here)."""
+    global _LIGHTNING_CLI
+    if _LIGHTNING_CLI is None:
+        from lightning.pytorch.cli import LightningCLI
+
+        _LIGHTNING_CLI = type("NagCLI", (NagCLI, LightningCLI), {"__doc__": NagCLI.__doc__})
+    return _LIGHTNING_CLI
 
 
 def run_lightning_cli(args: list[str] | None = None, run: bool = True) -> NagCLI:
     """The LightningCLI part of the command, also used by tests to parse recipes."""
-    return NagCLI(
+    from nag_lightning.data import ByteDataModule
+    from nag_lightning.module import NAGLanguageModel
+    from nag_lightning.quiet import silence_irrelevant_messages
+
+    silence_irrelevant_messages()
+    return lightning_cli_class()(
         NAGLanguageModel,
         ByteDataModule,
         args=args,
@@ -199,8 +251,24 @@ def run_lightning_cli(args: list[str] | None = None, run: bool = True) -> NagCLI
     )
 
 
+@contextmanager
+def flags_named(names: Iterable[str], section: str = "data"):
+    """Re-word an error that names a setting `section.X` (as `fit` spells it) to name the running
+    command's own flag `--X`, for each X in `names`: the sentence must name what the user typed."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as error:
+        pattern = rf"\b{re.escape(section)}\.({'|'.join(map(re.escape, names))})\b"
+        text = re.sub(pattern, r"--\1", str(error))
+        if text == str(error):
+            raise
+        raise type(error)(text) from None
+
+
 def prepare_command(args: list[str]) -> None:
     """`nag-lightning prepare`: tokenize a corpus into litdata chunks ahead of training."""
+    import inspect
+
     from jsonargparse import ArgumentParser
 
     from nag_lightning.data import prepare_corpus
@@ -208,7 +276,8 @@ def prepare_command(args: list[str]) -> None:
     parser = ArgumentParser(prog="nag-lightning prepare", description=prepare_command.__doc__)
     parser.add_function_arguments(prepare_corpus)
     cfg = parser.parse_args(args)
-    path = prepare_corpus(**cfg.as_dict())
+    with flags_named(inspect.signature(prepare_corpus).parameters):
+        path = prepare_corpus(**cfg.as_dict())
     print(f"prepared {path}")
 
 
@@ -223,6 +292,35 @@ COMMANDS: dict[str, str] = {
 }
 
 
+# One line each for the top-level help, which must not import the commands to describe them.
+SUMMARIES: dict[str, str] = {
+    "fit": "train a model (e.g. --config recipes/quickstart.yaml)",
+    "validate": "evaluate a model or checkpoint on the validation data",
+    "test": "evaluate a model or checkpoint on the test data",
+    "predict": "bits per byte of every sequence of the data",
+    "prepare": "tokenize a corpus into litdata chunks ahead of training",
+    "compare": "finished runs side by side: tokens, training FLOPs, final bits per byte",
+    "sweep": "accuracy against executed compute of a checkpoint's routing, CSV and PNG",
+    "generate": "continue a prompt from a checkpoint, routing causally",
+    "study": "experiments of many runs: depth, isoflop, tradeoff",
+}
+
+
+def top_level_help() -> str:
+    """The help of `nag-lightning` itself, written without importing Lightning (seconds) or torch."""
+    def lines(names):
+        return "\n".join(f"  {name:<10} {SUMMARIES.get(name, '')}" for name in names)
+
+    return (
+        "usage: nag-lightning COMMAND [options]   (every command takes --help)\n\n"
+        "Train and study Transformers with a norm-agnostic residual stream (NAG) and\n"
+        "Mixture-of-Depths routing.\n\n"
+        "Training, LightningCLI's commands (--config FILE, --print_config, every model, data and\n"
+        "trainer option):\n" + lines(("fit", "validate", "test", "predict")) + "\n\n"
+        "Around training:\n" + lines(COMMANDS) + "\n"
+    )
+
+
 def _load_command(name: str) -> Callable[[list[str]], None]:
     module, _, function = COMMANDS[name].partition(":")
     return getattr(importlib.import_module(module), function)
@@ -234,10 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if argv and argv[0] in COMMANDS:
             _load_command(argv[0])(argv[1:])
+        elif not argv or argv[0] in ("-h", "--help"):
+            print(top_level_help(), end="")
+            if not argv:
+                raise ValueError("Name a command, e.g. `nag-lightning fit --config recipes/debug.yaml`.")
         else:
-            if not argv or argv[0] in ("-h", "--help"):
-                print("Commands besides LightningCLI's: " + ", ".join(sorted(COMMANDS))
-                      + " (each takes --help).\n")
             run_lightning_cli(None if from_shell else argv)
     except (ValueError, FileNotFoundError, FloatingPointError) as error:
         if os.environ.get("NAG_LIGHTNING_TRACEBACK"):

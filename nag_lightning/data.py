@@ -44,6 +44,7 @@ import torch
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader, optimize
 
 from nag_lightning import tokenizer as tokenizers
+from nag_lightning.orphans import die_with_parent, owned_name, remove_orphaned
 from nag_lightning.tokenizer import HFTokenizer, Tokenizer
 
 # Bump when the on-disk layout or the split rule changes, so old caches are not reused.
@@ -257,9 +258,10 @@ def _tokenize_with(
 def _tokenize(
     splits: dict[str, list[tuple[str, int, int]]],
     output_dir: Path,
-    read: Callable[[tuple[str, int, int]], Iterator[torch.Tensor]] = _read_tokens,
+    read: Callable[[tuple[str, int, int]], Iterator[torch.Tensor]] | None = None,
 ) -> None:
-    """Run litdata `optimize` once per split; meant to run in a child process (see `_in_child`)."""
+    """Run litdata `optimize` once per split with `read` (default: the bytes of `_read_tokens`,
+    looked up at call time); meant to run in a child process (see `_in_child`)."""
     # litdata stages files in $TMPDIR/chunks and $TMPDIR/data and deletes both on every run, even
     # those of other jobs: point them into our own temporary folder.
     os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = str(output_dir / ".litdata" / "chunks")
@@ -268,7 +270,7 @@ def _tokenize(
         # One worker, inputs in order: the token stream is the files in sorted order, the same on
         # every run (several workers would interleave files in whatever order they finish).
         optimize(
-            fn=read,
+            fn=read or _read_tokens,
             inputs=pieces,
             output_dir=str(output_dir / split),
             chunk_bytes=_CHUNK_BYTES,
@@ -288,10 +290,11 @@ def _in_child(fn: Callable[..., None], *args: Any) -> None:
     `optimize` changes global state of the process that calls it: it reseeds `random`, NumPy and
     torch with 42 (so a run that tokenizes would train differently from one that hits the cache),
     forces the multiprocessing start method and sets environment variables. A child keeps all of
-    that out of the training process.
+    that out of the training process. The child and the workers it forks die with this process.
     """
     context = multiprocessing.get_context(_START_METHOD)
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=die_with_parent,
+                             initargs=(os.getpid(),)) as pool:
         pool.submit(fn, *args).result()
 
 
@@ -358,10 +361,11 @@ def prepare_corpus(
     target = Path(cache_dir).expanduser().resolve() / _corpus_hash(files, val_fraction, max_bytes, key)
     if (target / _META).is_file():
         return target
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         (target.parent / _CACHEDIR_TAG).write_text(_CACHEDIR_SIGNATURE)
+        remove_orphaned(target.parent)  # what killed runs left; live runs' folders stay
+        tmp = target.parent / owned_name(target.name)
         tmp.mkdir()
     except OSError as error:
         raise _unwritable(cache_dir, error) from None
@@ -562,6 +566,30 @@ _FULL_SHUFFLE = (
 )
 
 
+class _EpochExactLoader(StreamingDataLoader):
+    """A StreamingDataLoader whose resumed epoch ends where an uninterrupted one would.
+
+    litdata replays a loaded state on the next `__iter__` and clears its `restore` flag only when
+    that iteration runs to its end. Lightning stops reading a loader with a length after exactly
+    `len(loader)` batches, so after a mid-epoch resume the flag stayed set: the next epoch skipped
+    litdata's per-epoch reset, replayed the old state and reused the old shuffle, and training
+    diverged from an uninterrupted run at the first epoch boundary. Only the first iteration after
+    `load_state_dict` may replay the state.
+    """
+
+    _replay_pending = False
+
+    def load_state_dict(self, obj: dict[str, Any]) -> None:
+        super().load_state_dict(obj)
+        self._replay_pending = self.restore
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self._replay_pending:
+            self.restore = False  # the epoch that replayed the state is over
+        self._replay_pending = False
+        yield from super().__iter__()
+
+
 def _collate(blocks: list[torch.Tensor]) -> torch.Tensor:
     """Stack blocks of token ids into the LongTensor (batch, seq_len + 1) the model embeds."""
     return torch.stack(blocks).long()
@@ -681,7 +709,7 @@ class ByteDataModule(L.LightningDataModule):
     def _loader(self, dataset: StreamingDataset | None) -> StreamingDataLoader:
         if dataset is None:
             raise RuntimeError("Call ByteDataModule.setup() before asking for a dataloader.")
-        return StreamingDataLoader(
+        return _EpochExactLoader(
             dataset,
             batch_size=self.batch_size,
             num_workers=self.num_workers,

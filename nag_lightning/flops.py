@@ -10,7 +10,8 @@ that counter, the count covers matrix products only:
     per sequence, per attention sublayer
       scores and values       2 · K² · C each                    = 4·C·K²   (K: see below)
     per scored token, per routed sublayer
-      router                  router.flops_per_token()
+      router                  router.flops_per_token(), in the mode the pass ran in (a router
+                              may spend more in training, e.g. the threshold probe runs twice)
     per token
       LM head                 2·C·V
       embedding               0 (a table lookup)
@@ -77,13 +78,15 @@ def _kinds(cfg: TransformerConfig) -> list[str]:
     return ["attn", "mlp"] * cfg.n_layers  # sublayer i is block i // 2, attention first
 
 
-def router_flops_per_token(cfg: TransformerConfig) -> list[int]:
-    """What each sublayer's router spends per scored token, asked of a router built from `cfg`."""
+def router_flops_per_token(cfg: TransformerConfig, training: bool = True) -> list[int]:
+    """What each sublayer's router spends per scored token in training (or evaluation), asked of
+    a router built from `cfg`."""
     routed = cfg.routed_layers()
     is_routed = [i // 2 in routed and kind in cfg.route_kinds for i, kind in enumerate(_kinds(cfg))]
     if not any(is_routed):
         return [0] * len(is_routed)
-    per_token = build_router(cfg.router, cfg.d_model, **cfg.router_options).flops_per_token()
+    router = build_router(cfg.router, cfg.d_model, **cfg.router_options).train(training)
+    per_token = router.flops_per_token()
     return [per_token if r else 0 for r in is_routed]
 
 
@@ -239,7 +242,7 @@ def count_flops(
             nested lists; a sublayer that ran every token has seq_len in every entry.
         seq_len: T, the tokens per sequence.
         router_flops: each sublayer's router FLOPs per scored token; None asks routers built
-            from cfg (`router_flops_per_token`).
+            from cfg what they spend in training (`router_flops_per_token`).
     """
     counts = torch.as_tensor(executed).detach().cpu()
     if counts.ndim != 2 or counts.shape[0] != cfg.n_sublayers:
@@ -277,7 +280,8 @@ def executed_counts(model: Transformer) -> Tensor:
 
 
 def count_model(model: Transformer, seq_len: int) -> FlopCount:
-    """The breakdown of the model's last forward pass over sequences of `seq_len` tokens."""
+    """The breakdown of the model's last forward pass over sequences of `seq_len` tokens. Call it
+    with the model in the mode that pass ran in: routers report their cost in their current mode."""
     router_flops = [s.router.flops_per_token() for s in model.sublayers]
     return count_flops(model.cfg, executed_counts(model), seq_len, router_flops)
 
@@ -347,20 +351,24 @@ class TransformerFlopCounter:
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self.seq_len: int | None = None
+        self._router_flops: list[int] = []
         self._constants: _Constants | None = None
         self._hook = model.register_forward_pre_hook(self._record)
 
     def _record(self, module: nn.Module, args: tuple) -> None:
         if module.training:
             self.seq_len = int(args[0].shape[-1])
+            # asked here, in the mode of the pass being counted (a router may spend more in training)
+            router_flops = [s.router.flops_per_token() for s in self.model.sublayers]
+            if router_flops != self._router_flops:
+                self._router_flops, self._constants = router_flops, None
 
     def step(self) -> StepFlops:
         if self.seq_len is None:
             raise RuntimeError("The model has not run a training forward pass yet.")
         counts = executed_counts(self.model)
         if self._constants is None or self._constants.per_token.device != counts.device:
-            router_flops = [s.router.flops_per_token() for s in self.model.sublayers]
-            self._constants = _constants(self.model.cfg, router_flops, counts.device)
+            self._constants = _constants(self.model.cfg, self._router_flops, counts.device)
         t = _terms(self._constants, counts, self.seq_len)
         return StepFlops(
             forward=t["forward"], layer=t["layers"].sum(), full_depth_layer=t["full_depth"].sum(),

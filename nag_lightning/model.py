@@ -9,7 +9,9 @@ same `Sublayer` wrapper:
                                              │
     state' <─ scatter <─ strategy.write(gathered state, f, gate) ┘
 
-so a residual strategy never sees routing and a router never sees the residual state.
+so a residual strategy never sees routing and a router never sees the residual state. Generation
+runs the same path over new tokens only (`stream(idx, cached)`): attention then reads and extends
+the KV cache of its executed tokens (`nag_lightning.kv_cache`, driven by `nag_lightning.inference`).
 Shapes: B batch, T sequence, C = d_model, N executed tokens, K executed tokens of the longest
 sequence (the padded width routed attention runs at), H heads, D head width.
 """
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nag_lightning.kv_cache import CachedPass, KVCache
 from nag_lightning.residuals import ResidualStrategy, State, build_residual
 from nag_lightning.routers import Route, Router, build_router
 
@@ -46,7 +49,9 @@ class TransformerConfig:
         router_options: keyword options of the router.
         route_kinds: which sublayer kinds are routed ("attn", "mlp").
         route_layers: which blocks are routed: "all", "every_other" (1, 3, 5, ...) or a list.
-        init_std: standard deviation of linear weights at init.
+        init_std: standard deviation of linear weights at init; None means 1/sqrt(d_model). GPT-2's
+            0.02 suits width 768; at width 64 it is 6x too small, and both residuals trained 0.3-0.55
+            bits per byte worse under it (docs/results.md, "Init").
         embed_std: standard deviation of the token embedding at init.
         rope_base: rotary embedding base.
     """
@@ -63,7 +68,7 @@ class TransformerConfig:
     router_options: dict = field(default_factory=dict)
     route_kinds: list[str] = field(default_factory=lambda: list(SUBLAYER_KINDS))
     route_layers: str | list[int] = "all"
-    init_std: float = 0.02
+    init_std: float | None = None
     embed_std: float = 1.0
     rope_base: float = 10000.0
 
@@ -84,6 +89,10 @@ class TransformerConfig:
         if self.seq_len < 2:
             raise ValueError(
                 f"model.seq_len must be at least 2 (one input and one target); got {self.seq_len}."
+            )
+        if self.init_std is not None and self.init_std <= 0:
+            raise ValueError(
+                f"model.init_std must be positive, or null for 1/sqrt(d_model); got {self.init_std}."
             )
         if self.mlp_ratio <= 0:
             raise ValueError(f"model.mlp_ratio must be positive; got {self.mlp_ratio}.")
@@ -165,8 +174,10 @@ class Attention(nn.Module):
         q, k, v = self._qkv(h, t)  # (N, H, D)
         slot = (executed.cumsum(1) - 1)[b, t]  # place of each token among its sequence's executed
         K = int(executed.sum(1).max())
-        padded = h.new_zeros(3, B, K, *q.shape[1:])  # (3, B, K, H, D)
-        padded[:, b, slot] = torch.stack((q, k, v))
+        qkv = torch.stack((q, k, v))  # (3, N, H, D)
+        # The buffer takes q/k/v's dtype, not h's: under autocast they are bf16 while h is fp32.
+        padded = qkv.new_zeros(3, B, K, *q.shape[1:])  # (3, B, K, H, D)
+        padded[:, b, slot] = qkv
         # Slots hold a sequence's executed tokens in position order and its padding after them,
         # so attending causally by original position among executed tokens is plain causal
         # attention over slots: no real query reaches a padding slot, and padding queries' outputs
@@ -174,6 +185,46 @@ class Attention(nn.Module):
         q, k, v = padded.transpose(2, 3).unbind(0)  # (B, H, K, D)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2)[b, slot].flatten(-2))  # (N, C)
+
+    def forward_cached(self, h: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        """Every new token: h (B, T, C) at original positions (B, T), after the tokens in `cache`.
+        Their keys and values are appended to it, and each attends to its row's cached entries
+        and to the new tokens up to itself. -> (B, T, C)"""
+        q, k, v = self._qkv(h, positions)  # (B, T, H, D)
+        first = cache.append(k, v)
+        return self.proj(self._attend_cached(q, first, cache))
+
+    def forward_cached_routed(
+        self, h: Tensor, b: Tensor, t: Tensor, executed: Tensor, positions: Tensor, cache: KVCache
+    ) -> Tensor:
+        """New executed tokens only: h (N, C) at batch rows b and columns t (N,) of the mask
+        `executed` (B, T) of the new tokens, at original positions (N,). The rule of
+        `forward_routed`, one chunk at a time: a row's executed tokens join its cached ones, in
+        position order, and attend to them and to each other causally. -> (N, C)"""
+        q, k, v = self._qkv(h, positions)  # (N, H, D)
+        rank = (executed.cumsum(1) - 1)[b, t]  # place among the row's new executed tokens
+        first = cache.write(b, rank, k, v, executed.sum(1))
+        queries = q.new_zeros(executed.shape[0], int(rank.max()) + 1, *q.shape[1:])  # (B, K, H, D)
+        queries[b, rank] = q
+        return self.proj(self._attend_cached(queries, first, cache)[b, rank])
+
+    def _attend_cached(self, q: Tensor, first: Tensor, cache: KVCache) -> Tensor:
+        """Queries q (B, K, H, D) in slots first[b] + 0 .. K - 1 of their rows, each seeing its
+        row's slots up to its own. -> (B, K, H * D) before the output projection."""
+        B, K = q.shape[:2]
+        keys, values = cache.entries()  # (B, H, S, D)
+        S = keys.shape[2]
+        if B == 1 and (K == 1 or S == K):
+            # one sequence, so every slot is its own: the newest token sees them all, and a chunk
+            # that fills an empty cache is plain causal attention
+            mask, causal = None, K > 1
+        else:
+            # A padding query (its row has fewer new tokens) sees at least slot 0, so no row of
+            # the mask is empty; its output is dropped. Slots past a row's own are never seen.
+            own = first[:, None, None] + torch.arange(K, device=q.device)[:, None]  # (B, K, 1)
+            mask, causal = (torch.arange(S, device=q.device) <= own).unsqueeze(1), False
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal)
+        return y.transpose(1, 2).flatten(-2)
 
 
 class SwiGLU(nn.Module):
@@ -209,30 +260,47 @@ class Sublayer(nn.Module):
         self.contribution: Tensor | None = None
         self.state_norm: Tensor | None = None
 
-    def forward(self, state: State, strategy: ResidualStrategy) -> State:
+    def forward(self, state: State, strategy: ResidualStrategy, cached: CachedPass | None = None) -> State:
+        """The sublayer over the whole sequence, or, with `cached`, over new tokens only: attention
+        then reads and extends the KV cache, padding executes nothing, the router only decides
+        (nothing is learned or recorded), and a sublayer no token runs costs nothing."""
         # (B, T, C); cast for models held in low precision while the state lanes stay fp32
         h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
         route: Route = self.router(h)
-        need_angle = self.record or getattr(self.router, "needs_contribution", False)
-        if route.executed is None:
-            f = self.compute(h)
+        executed = route.executed if cached is None else cached.executes(route.executed)
+        need_angle = cached is None and (self.record or getattr(self.router, "needs_contribution", False))
+        if executed is None:
+            if cached is not None and self.kind == "attn":
+                f = self.compute.forward_cached(h, cached.positions, cached.caches[self.index])
+            else:
+                f = self.compute(h)
             state, angle = strategy.write(state, f, route.gate, self.index, need_angle)
             self.executed_per_seq = torch.full(h.shape[:1], h.shape[1], device=h.device)
         else:
-            b, t = route.executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
-            if self.kind == "attn":
-                f = self.compute.forward_routed(h[b, t], b, t, route.executed)
+            b, t = executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
+            if cached is not None and b.numel() == 0:
+                return state
+            if cached is not None and self.kind == "attn":
+                f = self.compute.forward_cached_routed(
+                    h[b, t], b, t, executed, cached.positions[b, t], cached.caches[self.index]
+                )
+            elif self.kind == "attn":
+                f = self.compute.forward_routed(h[b, t], b, t, executed)
             else:
                 f = self.compute(h[b, t])  # (N, C)
             gate = None if route.gate is None else route.gate[b, t]
             picked = tuple(lane[b, t] for lane in state)
             written, angle_executed = strategy.write(picked, f, gate, self.index, need_angle)
-            state = tuple(lane.index_put((b, t), new) for lane, new in zip(state, written))
+            # A strategy returns its lanes' own dtypes; the cast only guards one that follows f's
+            # (bf16 under autocast), since index_put refuses mixed dtypes.
+            state = tuple(lane.index_put((b, t), new.to(lane.dtype)) for lane, new in zip(state, written))
             angle = None
             if angle_executed is not None:
                 angle = h.new_zeros(h.shape[:2], dtype=angle_executed.dtype)
                 angle[b, t] = angle_executed  # a skipped token is not turned at all
-            self.executed_per_seq = route.executed.sum(1)
+            self.executed_per_seq = executed.sum(1)
+        if cached is not None:
+            return state
         self.router.observe(h, route, angle)
         if self.record:
             self.contribution = angle
@@ -248,8 +316,10 @@ class Block(nn.Module):
         self.attn = attn
         self.mlp = mlp
 
-    def forward(self, state: State, strategy: ResidualStrategy) -> State:
-        return self.mlp(self.attn(state, strategy), strategy)
+    def forward(self, state: State, strategy: ResidualStrategy, cached: CachedPass | None = None) -> State:
+        if cached is None:  # the training path calls sublayers exactly as before
+            return self.mlp(self.attn(state, strategy), strategy)
+        return self.mlp(self.attn(state, strategy, cached), strategy, cached)
 
 
 @dataclass
@@ -292,13 +362,15 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 style init: normal(init_std), output projections scaled by 1/sqrt(2 n_layers)."""
+        """normal(std), output projections scaled by 1/sqrt(2 n_layers) (GPT-2), std = init_std or
+        1/sqrt(d_model)."""
+        std = self.cfg.init_std if self.cfg.init_std is not None else self.cfg.d_model**-0.5
         for name, param in self.named_parameters():
             if name.endswith("proj.weight"):
-                nn.init.normal_(param, std=self.cfg.init_std / math.sqrt(self.cfg.n_sublayers))
+                nn.init.normal_(param, std=std / math.sqrt(self.cfg.n_sublayers))
             elif name.startswith("blocks.") and name.endswith("weight") and ".router." not in name:
-                nn.init.normal_(param, std=self.cfg.init_std)
-        nn.init.normal_(self.head.weight, std=self.cfg.init_std)
+                nn.init.normal_(param, std=std)
+        nn.init.normal_(self.head.weight, std=std)
         nn.init.normal_(self.embed.weight, std=self.cfg.embed_std)
 
     @property
@@ -318,12 +390,20 @@ class Transformer(nn.Module):
                 f"The input has {T} tokens, more than model.seq_len = {self.cfg.seq_len}; "
                 "shorten it or raise model.seq_len."
             )
-        state = self.strategy.init_state(self.embed(idx))
-        for block in self.blocks:
-            state = block(state, self.strategy)
-        features, scale = self.strategy.final(state)
-        logits = self.head(features.to(self.head.weight.dtype))
-        if scale is not None:
-            logits = logits * scale
+        logits = self.readout(self.stream(idx))
         aux = sum((s.router.aux_loss for s in self.sublayers), idx.new_zeros((), dtype=torch.float))
         return TransformerOutput(logits=logits, aux_loss=aux)
+
+    def stream(self, idx: Tensor, cached: CachedPass | None = None) -> State:
+        """The residual state (B, T, ...) after the last block, for token ids idx (B, T); with
+        `cached`, idx holds new tokens only and the earlier ones are in its KV caches."""
+        state = self.strategy.init_state(self.embed(idx))
+        for block in self.blocks:
+            state = block(state, self.strategy) if cached is None else block(state, self.strategy, cached)
+        return state
+
+    def readout(self, state: State) -> Tensor:
+        """Logits (..., vocab) of the residual state of any tokens (..., ...)."""
+        features, scale = self.strategy.final(state)
+        logits = self.head(features.to(self.head.weight.dtype))
+        return logits if scale is None else logits * scale

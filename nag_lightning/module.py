@@ -11,6 +11,7 @@ fills the last `decay_fraction` of a FLOP budget; gradient clipping is the Train
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict
 
 import lightning as L
@@ -62,7 +63,7 @@ class NAGLanguageModel(L.LightningModule):
         route_layers: which blocks are routed: "all", "every_other" or a list of block indices.
         vocab_size: number of token ids (256 for bytes); the command line sets it from
             data.tokenizer.
-        init_std: standard deviation of linear weights at init.
+        init_std: standard deviation of linear weights at init; null means 1/sqrt(d_model).
         embed_std: standard deviation of the token embedding at init.
         lr: peak learning rate.
         min_lr_ratio: final learning rate of the decay, as a fraction of lr.
@@ -92,7 +93,7 @@ class NAGLanguageModel(L.LightningModule):
         route_kinds: list[str] | None = None,
         route_layers: str | list[int] = "all",
         vocab_size: int = 256,
-        init_std: float = 0.02,
+        init_std: float | None = None,
         embed_std: float = 1.0,
         lr: float = 3e-3,
         min_lr_ratio: float = 0.1,
@@ -179,8 +180,8 @@ class NAGLanguageModel(L.LightningModule):
             raise FloatingPointError(
                 f"The training loss became {loss.item()} at step {self.global_step}; the "
                 "checkpoints already written are kept. Lower model.lr, raise "
-                "model.warmup_steps or set trainer.gradient_clip_val, then resume from the "
-                "last checkpoint."
+                "model.warmup_steps or set trainer.gradient_clip_val, then "
+                + self._resume_advice()
             )
         self.log("train/loss", loss, prog_bar=True)  # per token, nats
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
@@ -189,6 +190,16 @@ class NAGLanguageModel(L.LightningModule):
         if self.hparams.router != "none":
             self.log("train/aux_loss", aux)
         return loss + self.hparams.aux_loss_weight * aux
+
+    def _resume_advice(self) -> str:
+        """Where a diverged run can be resumed from: the newest checkpoint on disk (the CLI's
+        `RunCheckpoint` writes only finite states, and says so with `writes_only_finite`)."""
+        for callback in self.trainer.checkpoint_callbacks:
+            for path in (getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", "")):
+                if path and os.path.isfile(path):
+                    kind = "finite " if getattr(callback, "writes_only_finite", False) else ""
+                    return f"resume from the newest {kind}checkpoint with --ckpt_path {path}."
+        return "start again: no checkpoint was written before the loss diverged."
 
     def _evaluate(self, batch: Tensor, bpb: BitsPerByte, per_token: MeanMetric, stage: str) -> None:
         loss, _ = self._loss(batch)

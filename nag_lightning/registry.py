@@ -3,16 +3,19 @@
 Residual strategies and routers each keep one `Registry`. A plugin registers with a decorator that
 refuses duplicate names; a lookup accepts a registered short name, a dotted `module.Class` path, or a
 YAML-style `{"class_path": ..., "init_args": {...}}` mapping, and an unknown name fails with the list
-of names that exist. Third-party packages register through a Python entry-point group, loaded on the
-first lookup.
+of names that exist. Third-party packages register through a Python entry-point group; an entry
+point is imported when its name is looked up, so a broken or clashing plugin fails the commands
+that use it, with a sentence naming its distribution, and no other.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -30,7 +33,7 @@ class Registry(Generic[T]):
         self.kind = kind
         self.entry_point_group = entry_point_group
         self._classes: dict[str, type[T]] = {}
-        self._entry_points_loaded = False
+        self._entry_points: dict[str, EntryPoint] | None = None  # found on first lookup
 
     def register(self, name: str) -> Callable[[type[T]], type[T]]:
         """Class decorator: `@RESIDUALS.register("nag")`. A name can be registered only once."""
@@ -50,20 +53,20 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         """The registered short names, built-in and third-party."""
-        self._load_entry_points()
-        return sorted(self._classes)
+        return sorted({*self._classes, *self._find_entry_points()})
 
     def knows(self, name: str) -> bool:
         """Whether `name` is a registered short name or the dotted path of a registered class, so
         resolving it imports nothing the package or an installed entry point did not already load."""
-        self._load_entry_points()
-        return name in self._classes or any(
+        return name in self._classes or name in self._find_entry_points() or any(
             name == f"{cls.__module__}.{cls.__qualname__}" for cls in self._classes.values()
         )
 
     def get(self, name: str) -> type[T]:
         """The class for a short name or a dotted `module.Class` path."""
-        self._load_entry_points()
+        entry_point = self._find_entry_points().get(name)
+        if entry_point is not None:
+            return self._load(entry_point)
         if name in self._classes:
             return self._classes[name]
         if "." in name:
@@ -111,18 +114,49 @@ class Registry(Generic[T]):
                 f"does not take; it accepts: {', '.join(accepted) or 'no options'}."
             )
 
-    def _load_entry_points(self) -> None:
-        if self._entry_points_loaded:
-            return
-        self._entry_points_loaded = True
-        for entry_point in entry_points(group=self.entry_point_group):
+    def _find_entry_points(self) -> dict[str, EntryPoint]:
+        if self._entry_points is None:
+            self._entry_points = {ep.name: ep for ep in entry_points(group=self.entry_point_group)}
+        return self._entry_points
+
+    def _load(self, entry_point: EntryPoint) -> type[T]:
+        """Import an entry point's class and register it, or say in one sentence why not."""
+        dist = entry_point.dist.name if entry_point.dist is not None else "an unknown distribution"
+        taken = self._classes.get(entry_point.name)
+        if taken is not None and _path(taken) != entry_point.value.replace(":", "."):
+            raise ValueError(
+                f"The {self.kind} name {entry_point.name!r} is taken twice: by {_path(taken)} and by "
+                f"the entry point {entry_point.value!r} of the package {dist!r} (group "
+                f"{self.entry_point_group!r}); uninstall {dist} or rename its entry point."
+            )
+        try:
             cls = entry_point.load()
-            self.register(entry_point.name)(cls)
+        except Exception as error:  # any import-time failure of someone else's package
+            raise ValueError(
+                f"The {self.kind} {entry_point.name!r} of the package {dist!r} failed to import "
+                f"({type(error).__name__}: {error}); reinstall or fix {dist}, or use another "
+                f"{self.kind}."
+            ) from None
+        return self.register(entry_point.name)(cls)
+
+
+def _path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _import_class(path: str, kind: str) -> type:
+    """Import `module.Class`. A module not found on sys.path is looked for in the working directory
+    too, as `python -m` would: a plugin in a .py file next to the recipe needs no PYTHONPATH."""
     module_name, _, class_name = path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module_name), class_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            cwd = os.getcwd()
+            if error.name != module_name.split(".")[0] or cwd in sys.path or "" in sys.path:
+                raise
+            sys.path.append(cwd)  # last: an installed package of the same name still wins
+            module = importlib.import_module(module_name)
+        return getattr(module, class_name)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"Cannot import the {kind} class {path!r} ({error}); check the path.") from None

@@ -17,3 +17,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_plugins(monkeypatch):
+    """The registries with only this package's plugins, whatever else is installed: a test that
+    names an unknown plugin or lists the registered names must not depend on the environment."""
+    from nag_lightning.residuals import RESIDUALS
+    from nag_lightning.routers import ROUTERS
+
+    for registry in (RESIDUALS, ROUTERS):
+        built_in = {k: v for k, v in registry._classes.items() if v.__module__.startswith("nag_lightning.")}
+        monkeypatch.setattr(registry, "_classes", built_in)
+        monkeypatch.setattr(registry, "_entry_points", {})

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nag_lightning.cli import main
+from tests.helpers import run_cli
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
 WORDS = "def class return self import for in if else print value index".split()
@@ -31,15 +31,6 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def cache_dir(corpus) -> Path:
     return corpus.parent / "cache"
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str]:
-    try:
-        main(args)
-        status = 0
-    except SystemExit as exit_:
-        status = exit_.code if isinstance(exit_.code, int) else 1
-    return status, capsys.readouterr().err
 
 
 def one_sentence(status: int, err: str) -> str:

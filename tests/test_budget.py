@@ -25,8 +25,10 @@ SIGN = {"class_path": "tests.test_flops.SignRouter"}  # data-dependent executed 
 
 def model(router: str | dict = "none") -> NAGLanguageModel:
     torch.manual_seed(0)
+    # A constant learning rate after warmup: the cosine schedule would depend on max_steps, so runs
+    # with different step limits would train (and route, so spend) differently.
     return NAGLanguageModel(d_model=16, n_layers=2, n_heads=2, seq_len=SEQ, router=router,
-                            warmup_steps=1, lr=1e-2)
+                            warmup_steps=1, lr=1e-2, min_lr_ratio=1.0)
 
 
 def loader() -> DataLoader:
@@ -300,6 +302,23 @@ def test_compare_says_what_is_missing(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="metrics.csv"):
         compare([tmp_path])
-    (tmp_path / "metrics.csv").write_text("step,val/bpb\n0,3.0\n")
-    with pytest.raises(ValueError, match="FlopAccounting"):
-        compare([tmp_path])
+
+
+def test_compare_shows_a_run_without_flop_totals_with_dashes(tmp_path, capsys):
+    from nag_lightning.analysis.compare import compare_command
+
+    counted, uncounted = tmp_path / "runs" / "counted", tmp_path / "runs" / "uncounted"
+    counted.mkdir(parents=True)
+    uncounted.mkdir()
+    (counted / "metrics.csv").write_text(
+        "step,flops/total,flops/tokens,val/bpb\n4,3.0e9,640,\n9,6.0e9,1280,\n9,,,2.5\n")
+    (uncounted / "metrics.csv").write_text("step,train/loss,val/bpb\n4,2.0,\n9,1.9,\n9,,2.75\n")
+    compare_command([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    assert "| counted | ? | ? | 10 | 1,280 | 6e+09 |" in printed
+    assert "| uncounted | ? | ? | 10 | - | - | - | - | 2.7500 |" in printed
+    assert "no FLOP totals ('-') for uncounted" in printed
+    with open(tmp_path / "out" / "compare.csv") as f:
+        rows = {r["run"]: r for r in csv.DictReader(f)}
+    assert rows["uncounted"]["training_flops"] == rows["uncounted"]["tokens"] == ""
+    assert float(rows["uncounted"]["final_val_bpb"]) == 2.75 and rows["counted"]["tokens"] == "1280"

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -11,6 +12,7 @@ import torch
 from litdata import StreamingDataset, TokensLoader
 
 from nag_lightning import data
+from nag_lightning.callbacks import RunCheckpoint
 from nag_lightning.data import ByteDataModule, prepare_corpus, token_counts
 
 SEQ = 16  # seq_len in these tests: samples are 17 bytes
@@ -320,3 +322,38 @@ def test_the_default_corpus_is_this_pythons_standard_library(tmp_path):
     assert sum(token_counts(root).values()) == 50_000
     first = files[0].read_bytes()
     assert stream(root / "train").startswith(first[: cut(first)])
+
+
+@pytest.mark.parametrize("resume_at", ["mid_epoch", "epoch_end"])
+def test_a_resumed_fit_matches_an_uninterrupted_one_across_epoch_boundaries(tmp_path, corpus, resume_at):
+    """Every epoch reshuffles; a resumed run must reshuffle exactly as an uninterrupted one does,
+    also after the epoch it resumed in (Lightning stops a sized loader at its length, which used
+    to leave litdata replaying the resumed state in every later epoch)."""
+
+    def fit(max_steps, ckpt_path=None):
+        dm = ByteDataModule(
+            str(tmp_path / "corpus"), seq_len=SEQ, batch_size=16, cache_dir=str(tmp_path / "c")
+        )
+        model = _Recorder()
+        # The CLI's checkpoint callback saves the last step at its batch end, as a run killed
+        # right after it would have it.
+        last = RunCheckpoint(dirpath=tmp_path / "ckpt", monitor=None, save_top_k=0, save_last=True)
+        trainer = L.Trainer(
+            max_steps=max_steps, limit_val_batches=0, logger=False, callbacks=[last],
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        )
+        trainer.fit(model, dm, ckpt_path=ckpt_path)
+        return trainer, model.seen
+
+    trainer, uninterrupted = fit(50)
+    epoch = trainer.num_training_batches
+    assert 50 > 2 * epoch  # two epoch boundaries after the resume point
+    stop = 5 if resume_at == "mid_epoch" else epoch
+    shutil.rmtree(tmp_path / "ckpt")
+    _, head = fit(stop)
+    _, tail = fit(50, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert len(head) + len(tail) == len(uninterrupted)
+    for step, (got, want) in enumerate(zip(head + tail, uninterrupted)):
+        assert torch.equal(got, want), f"batch of step {step} differs (epoch is {epoch} steps)"
+    # and the epochs really were reshuffled
+    assert not torch.equal(uninterrupted[0], uninterrupted[epoch])

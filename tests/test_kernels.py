@@ -253,9 +253,10 @@ def test_zero_gate_is_exact_identity(dtype):
 
 
 @pytest.mark.parametrize("bound", nag_kernels.BOUNDS)
-@pytest.mark.parametrize("kind", ["zero", "parallel", "huge", "generic"])
+@pytest.mark.parametrize("kind", ["zero", "parallel", "huge", "overflowing", "generic"])
 def test_invariants(kind, bound):
-    """||u'|| = 1, acos(<u, u'>) = |theta|, |theta| <= theta_max, theta independent of rho."""
+    """||u'|| = 1, acos(<u, u'>) = |theta|, |theta| <= theta_max, theta independent of rho, for
+    any f: "overflowing" has elements up to 1e30, so ||f_perp||^2 is far past fp32's range."""
     d = 64
     inputs = {**make_inputs((5,), d, torch.float32), "bound": bound}
     u = inputs["u"]
@@ -265,6 +266,9 @@ def test_invariants(kind, bound):
         inputs["f"] = 3.0 * u
     elif kind == "huge":
         inputs["f"] = 1e4 * torch.randn(5, d)
+    elif kind == "overflowing":
+        gen = torch.Generator().manual_seed(2)
+        inputs["f"] = torch.logspace(19, 30, 5)[:, None] * torch.randn(5, d, generator=gen)
     other_rho = dict(inputs, rho=inputs["rho"] + 5.0)
     results = kernel_and_reference(inputs)
     for (u_new, rho_new, theta, _), (_, _, theta2, _) in zip(results, kernel_and_reference(other_rho)):
@@ -281,8 +285,55 @@ def test_invariants(kind, bound):
         if kind in ("zero", "parallel"):
             assert theta.abs().max() < 1e-5
             torch.testing.assert_close(u_new, u, atol=1e-6, rtol=0)
-        if kind == "huge":
+        if kind in ("huge", "overflowing"):
             assert theta.min() > 0.99 * THETA_MAX  # alpha > 0 and g > 0 on every row here
+
+
+def overflowing_inputs(bound, alpha=0.9):
+    """f with elements up to 1e30, so ||f_perp||^2 (up to ~1e62) is far past fp32's ~3e38."""
+    inputs = {**make_inputs((6,), 64, torch.float32, alpha=alpha), "bound": bound}
+    gen = torch.Generator().manual_seed(4)
+    inputs["f"] = torch.logspace(19, 30, 6)[:, None] * torch.randn(6, 64, generator=gen)
+    return inputs
+
+
+@pytest.mark.parametrize("bound", nag_kernels.BOUNDS)
+def test_zero_gate_is_exact_identity_for_overflowing_f(bound):
+    inputs = overflowing_inputs(bound)
+    inputs["g"] = torch.zeros_like(inputs["g"])
+    for u_new, rho_new, theta, _ in kernel_and_reference(inputs):
+        assert torch.equal(u_new, inputs["u"]) and torch.equal(rho_new, inputs["rho"])
+        assert not theta.any()
+
+
+@pytest.mark.parametrize("bound", nag_kernels.BOUNDS)
+def test_overflowing_f_turns_by_theta_below_saturation(bound):
+    """alpha = 1e-30 against |f| ~ 1e29..1e30: theta = bound(g alpha n / sqrt(d)) is a moderate
+    angle that needs n itself, which the unscaled ||f_perp||^2 loses to overflow."""
+    inputs = overflowing_inputs(bound, alpha=1e-30)
+    inputs["f"] = inputs["f"] / inputs["f"].abs().amax(-1, keepdim=True) * torch.logspace(29, 30, 6)[:, None]
+    u, f = inputs["u"].double(), inputs["f"].double()
+    n = torch.linalg.vector_norm(f - (f * u).sum(-1, keepdim=True) * u, dim=-1)
+    x = inputs["g"].double() * 1e-30 * n / 8
+    want = THETA_MAX * (torch.tanh(x / THETA_MAX) if bound == "tanh" else x / (THETA_MAX + x))
+    assert 0.05 < want.max() < 0.9 * THETA_MAX  # not saturated
+    for u_new, _, theta, _ in kernel_and_reference(inputs):
+        torch.testing.assert_close(theta.double(), want, rtol=1e-5, atol=1e-7)
+        assert unit_norm_error(u_new) < 1e-6
+        cos_angle = (u_new.double() * u).sum(-1).clamp(-1, 1)
+        torch.testing.assert_close(torch.acos(cos_angle), want, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("alpha", [0.9, 1e-30], ids=["saturated", "moderate"])
+@pytest.mark.parametrize("bound", nag_kernels.BOUNDS)
+def test_gradients_are_finite_for_overflowing_f(bound, alpha):
+    inputs = overflowing_inputs(bound, alpha)
+    if KERNEL_RUNS:  # the kernel's hand-written backward against the reference's autograd
+        _, grads = compare_to_reference(inputs, torch.float32, grad_floor=1e-6)
+    else:
+        _, grads = run(inputs, "torch", "cpu", random_weights(inputs))
+    assert all(torch.isfinite(g).all() for g in grads.values() if g is not None)
+    assert grads["u"].abs().max() > 0 and grads["f"].abs().max() > 0
 
 
 @needs_kernel

@@ -76,12 +76,12 @@ def test_depth_diagnostics_are_recorded_on_request():
         ({"seq_len": 1}, "seq_len must be at least 2"),
         ({"route_kinds": ["attn", "ffn"]}, "sublayer kinds \\['ffn'\\] that do not exist"),
         ({"route_layers": [7]}, "route_layers must be"),
-        ({"residual": "postnorm"}, "Unknown residual strategy 'postnorm'; "
-          "registered: lns, nag, ngpt, periln, prenorm"),
-        ({"router": "random"}, "Unknown router 'random'; registered: .*none"),
+        ({"residual": "no-such-strategy"},
+         "Unknown residual strategy 'no-such-strategy'; registered: lns, nag, ngpt, periln, prenorm"),
+        ({"router": "no-such-router"}, "Unknown router 'no-such-router'; registered: .*none"),
     ],
 )
-def test_bad_config_says_what_to_fix(overrides, message):
+def test_bad_config_says_what_to_fix(overrides, message, no_plugins):
     with pytest.raises(ValueError, match=message):
         tiny(**overrides)
 
@@ -109,7 +109,7 @@ def test_registry_refuses_duplicates_and_resolves_class_paths():
 
 def test_registry_loads_entry_point_plugins(monkeypatch):
     class FakeEntryPoint:
-        name = "fake"
+        name, value, dist = "fake", "nag_lightning.residuals.prenorm:PreNormResidual", None
 
         def load(self):
             return PreNormResidual
@@ -124,3 +124,72 @@ def test_registry_loads_entry_point_plugins(monkeypatch):
     registry = Registry("residual strategy", "nag_lightning.residuals")
     assert registry.get("fake") is PreNormResidual
     assert seen["group"] == "nag_lightning.residuals"
+
+
+class PluginEntryPoint:
+    """An entry point of an installed distribution, as importlib.metadata gives it."""
+
+    def __init__(self, name: str, value: str, load) -> None:
+        self.name, self.value, self._load = name, value, load
+        self.dist = type("Distribution", (), {"name": "nag-plugins-example"})()
+
+    def load(self):
+        return self._load()
+
+
+def test_a_plugin_that_takes_a_built_in_name_is_refused_only_when_used(monkeypatch):
+    class Imposter(PreNormResidual):
+        pass
+
+    plugins = [PluginEntryPoint("nag", "example.imposter:Imposter", lambda: Imposter)]
+    monkeypatch.setattr(registry_module, "entry_points", lambda group: plugins)
+    registry = Registry("residual strategy", "nag_lightning.residuals")
+    registry.register("nag")(ResidualStrategy)
+    registry.register("prenorm")(PreNormResidual)
+    assert registry.get("prenorm") is PreNormResidual  # every other name still works
+    with pytest.raises(ValueError, match=r"name 'nag' is taken twice: .* the package 'nag-plugins-example'"):
+        registry.get("nag")
+    assert registry.names() == ["nag", "prenorm"]
+
+
+def test_a_plugin_that_fails_to_import_names_its_package_and_breaks_nothing_else(monkeypatch):
+    def broken():
+        raise ImportError("No module named 'example_dependency'")
+
+    plugins = [PluginEntryPoint("mine", "example.mine:Mine", broken)]
+    monkeypatch.setattr(registry_module, "entry_points", lambda group: plugins)
+    registry = Registry("router", "nag_lightning.routers")
+    registry.register("none")(ResidualStrategy)
+    assert registry.get("none") is ResidualStrategy
+    with pytest.raises(ValueError, match=r"'mine' of the package 'nag-plugins-example' failed to import"):
+        registry.get("mine")
+
+
+def test_a_class_path_to_a_file_in_the_working_directory_needs_no_pythonpath(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "my_residual_plugin.py").write_text(
+        "from nag_lightning.residuals.prenorm import PreNormResidual\n\n\n"
+        "class MyResidual(PreNormResidual):\n    pass\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_residual_plugin", raising=False)
+    model = tiny({"class_path": "my_residual_plugin.MyResidual"})
+    assert type(model.strategy).__name__ == "MyResidual"
+    sys.modules.pop("my_residual_plugin", None)
+
+
+def test_default_init_is_width_aware():
+    """Linear weights start at std 1/sqrt(d_model) unless init_std is given (output projections
+    scaled down by 1/sqrt(2 n_layers)); GPT-2's 0.02 stays available."""
+    for d_model in (64, 256):
+        model = Transformer(TransformerConfig(d_model=d_model, n_layers=2, n_heads=4))
+        qkv = model.blocks[0].attn.compute.qkv.weight
+        assert abs(qkv.std().item() * d_model**0.5 - 1) < 0.05
+        proj = model.blocks[1].mlp.compute.proj.weight
+        assert abs(proj.std().item() * (d_model * model.cfg.n_sublayers) ** 0.5 - 1) < 0.05
+    given = Transformer(TransformerConfig(d_model=64, n_layers=2, n_heads=4, init_std=0.02))
+    assert abs(given.blocks[0].attn.compute.qkv.weight.std().item() / 0.02 - 1) < 0.05
+    with pytest.raises(ValueError, match="init_std must be positive"):
+        TransformerConfig(init_std=0.0)

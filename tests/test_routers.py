@@ -228,8 +228,11 @@ def measured_flops(model: Transformer, idx: torch.Tensor) -> dict[str, float]:
         model(idx)
     counts = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
     pick = lambda suffix: sum(v for k, v in counts.items() if k.endswith(suffix))
+    # A router's products run in its submodules (probe, score, predictor), also when `observe`
+    # calls them outside the router's own forward, so count those rather than the router itself.
+    router_parts = sum(v for k, v in counts.items() if k.rpartition(".")[0].endswith(".router"))
     return {"mlp": pick(".mlp.compute"), "attn_proj": pick(".attn.compute.qkv") + pick(".attn.compute.proj"),
-            "router": pick(".router")}
+            "router": router_parts}
 
 
 @pytest.mark.parametrize(("router", "options"), [("topk", {"capacity": 0.5}),
@@ -291,17 +294,45 @@ def test_threshold_target_rate_is_reached_in_a_short_run(residual):
     assert rates[0] == 0.0  # warm-up: every token runs
     # training: the controller's rate, averaged over the last 40 steps
     assert sum(rates[-40:]) / 40 == pytest.approx(0.25, abs=0.02)
-    # evaluation on held-out text decides with the averaged threshold. Block 0's attention sees
-    # only the byte, so one snapshot's rate moves in steps of a byte's frequency (the threshold
-    # router's docstring): a band that catches a wrong threshold, not a 2-point target
+    # evaluation on held-out text of the same kind routes at the rate training reached
     model.eval()
     with torch.no_grad():
         held_out = []
         for batch in text_batches(32, seed=100):
             model(batch[:, :-1])
             held_out.append(routing_stats(model, T)["mod_rate"])
-    assert 0.15 < sum(held_out) / len(held_out) < 0.35
+    # (within 3 points under init_std 0.02; 3.3-3.7 points under the 1/sqrt(d) init, where the
+    # predictions still drift faster at step 100 and the running threshold lags them)
+    assert sum(held_out) / len(held_out) == pytest.approx(sum(rates[-40:]) / 40, abs=0.04)
     assert all(s.router.tau.item() > 0 for s in model.sublayers)
+
+
+def test_threshold_evaluation_routes_at_the_training_rate_when_the_controller_swings():
+    """Predictions in a narrow core with wide tails (15% of tokens): the controller's steps, scaled
+    by the spread of the whole batch, swing its rate between a few percent and most tokens, right
+    only on average. Evaluation must skip the target share, not what the average of those
+    swinging thresholds skips (7% here when evaluation averaged the controller's thresholds)."""
+    d = 16
+    gen = torch.Generator().manual_seed(0)
+
+    def batch() -> torch.Tensor:
+        wide = torch.rand(4, 64, 1, generator=gen) < 0.15
+        return torch.randn(4, 64, d, generator=gen) * torch.where(wide, 30.0, 0.3)
+
+    torch.manual_seed(0)
+    router = ThresholdRouter(d, target_rate=0.25, warmup_steps=0).train()
+    rates = []
+    for _ in range(200):
+        h = batch()
+        route = router(h)
+        rates.append(1 - route.executed.float().mean().item())
+        router.observe(h, route, torch.full(h.shape[:2], 0.1))
+    assert min(rates[-100:]) < 0.1 and max(rates[-100:]) > 0.5  # the controller really swings
+    assert sum(rates[-100:]) / 100 == pytest.approx(0.25, abs=0.02)
+    router.eval()
+    with torch.no_grad():
+        held_out = [1 - router(batch()).executed.float().mean().item() for _ in range(50)]
+    assert sum(held_out) / len(held_out) == pytest.approx(0.25, abs=0.03)
 
 
 def test_threshold_probe_regresses_the_contribution_of_executed_tokens_only():
@@ -381,7 +412,8 @@ def test_routing_stats_count_the_whole_model():
 
 def test_flops_per_token_counts_scorer_and_predictor():
     assert TopKRouter(32, predictor_hidden=16).flops_per_token() == 2 * 32 + 2 * (32 * 16 + 16)
-    assert ThresholdRouter(32).flops_per_token() == 2 * 32
+    assert ThresholdRouter(32).flops_per_token() == 2 * 2 * 32  # training: the probe runs twice
+    assert ThresholdRouter(32).eval().flops_per_token() == 2 * 32
 
 
 # --------------------------------------------------------------------------------------------------

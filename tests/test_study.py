@@ -2,15 +2,62 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import json
+import subprocess
+import sys
 from pathlib import Path
 
-from nag_lightning.analysis.study import depth_study, plot_norm_growth
+import pytest
+
+from nag_lightning.analysis import study
+from nag_lightning.analysis.study import depth_study, fit_run, plot_norm_growth
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
 
 
-def test_depth_study_writes_tables_and_figures_and_resumes(tmp_path):
+class InProcess:
+    """Stands in for `subprocess` in the study module: runs `python -m nag_lightning.cli ARGS` in
+    this process, its output going where the child's would."""
+
+    STDOUT = subprocess.STDOUT
+
+    @staticmethod
+    def run(command: list[str], stdout, stderr) -> subprocess.CompletedProcess:
+        from nag_lightning.cli import main
+
+        assert command[:3] == [sys.executable, "-m", "nag_lightning.cli"], command
+        status = 0
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
+            try:
+                main(command[3:])
+            except SystemExit as exit_:
+                status = exit_.code if isinstance(exit_.code, int) else 1
+        return subprocess.CompletedProcess(command, status)
+
+
+@pytest.fixture(params=["in_process", pytest.param("own_process", marks=pytest.mark.slow)])
+def launch(request, monkeypatch):
+    """How a study launches its runs. Users get one process per run, which the slow suite checks; the
+    default suite runs them in this process, saving the seconds each new process spends importing
+    Lightning, and tests everything else the same (`test_fit_run_...` keeps one real child process)."""
+    if request.param == "in_process":
+        monkeypatch.setattr(study, "subprocess", InProcess)
+    return request.param
+
+
+def test_fit_run_trains_in_its_own_process_and_is_not_run_twice(tmp_path):
+    args = ["--config", DEBUG, "--model.n_layers=1", "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2", f"--data.cache_dir={tmp_path / 'cache'}"]
+    result = fit_run(tmp_path, "one", args)
+    assert result["step"] == 1 and result["val_bpb"] > 0  # CSVLogger counts steps from 0
+    assert json.loads((tmp_path / "one" / "result.json").read_text()) == result
+    assert (tmp_path / "one" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    assert fit_run(tmp_path, "one", ["--no-such-option"]) == result  # cached: not run again
+
+
+def test_depth_study_writes_tables_and_figures_and_resumes(tmp_path, launch):
     extra = ["--trainer.max_steps=3", "--trainer.val_check_interval=3",
              f"--data.cache_dir={tmp_path / 'cache'}"]
     rows = depth_study(recipe=DEBUG, out=str(tmp_path), depths=[1, 2], seeds=[1], extra=extra)
@@ -33,7 +80,7 @@ def test_depth_study_writes_tables_and_figures_and_resumes(tmp_path):
     assert stamps == {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/result.json")}
 
 
-def test_isoflop_study_runs_every_recipe_and_seed_and_aggregates(tmp_path):
+def test_isoflop_study_runs_every_recipe_and_seed_and_aggregates(tmp_path, launch):
     from nag_lightning.analysis.isoflop_study import isoflop_study
 
     recipes = [str(Path(__file__).resolve().parents[1] / "recipes" / "isoflop" / f"{name}.yaml")
@@ -53,7 +100,7 @@ def test_isoflop_study_runs_every_recipe_and_seed_and_aggregates(tmp_path):
     assert (tmp_path / "isoflop.png").stat().st_size > 10_000
 
 
-def test_tradeoff_study_sweeps_both_residuals_onto_one_plot(tmp_path):
+def test_tradeoff_study_sweeps_both_residuals_onto_one_plot(tmp_path, launch):
     from nag_lightning.analysis.tradeoff_study import tradeoff_study
 
     extra = ["--trainer.max_steps=3", "--trainer.val_check_interval=3",

@@ -15,6 +15,7 @@ import torch
 from nag_lightning.cli import main, run_lightning_cli
 from nag_lightning.residuals.nag import NAGResidual
 from nag_lightning.trust import untrusted_plugins
+from tests.helpers import run_cli
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
 WORDS = "def class return self import for in if else print value index".split()
@@ -83,15 +84,6 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 def torch_home(tmp_path, monkeypatch):
     """Downloads go to this test's own torch.hub cache."""
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str]:
-    try:
-        main(args)
-        status = 0
-    except SystemExit as exit_:
-        status = exit_.code if isinstance(exit_.code, int) else 1
-    return status, capsys.readouterr().err
 
 
 def one_sentence(err: str) -> str:

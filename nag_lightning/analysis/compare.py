@@ -7,7 +7,9 @@ validation bits per byte, and writes, into `--out`:
     compare.csv   compare.md   one row per run: tokens seen, training FLOPs, final val bits per byte
     compare.png   val bits per byte against training FLOPs, one line per run
 
-A run whose metrics lack the FLOP columns falls back to the totals kept in its last checkpoint.
+A run whose metrics lack the FLOP columns falls back to the totals kept in its last checkpoint; a
+run with neither (trained without `FlopAccounting`) still gets its row, with '-' for tokens and
+FLOPs, and no curve.
 The training FLOPs of a validation point are interpolated between the logged totals around it
 (the step cost of a run is close to constant, so this is exact to a fraction of one step).
 """
@@ -33,8 +35,8 @@ class RunSummary:
     residual: str
     router: str
     steps: int
-    tokens: int
-    training_flops: float
+    tokens: int | None  # None: the run has no FLOP totals
+    training_flops: float  # nan: the run has no FLOP totals
     executed_fraction: float
     executed_params_per_token: float
     final_val_bpb: float
@@ -42,6 +44,10 @@ class RunSummary:
 
     def row(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in COLUMNS}
+
+    @property
+    def has_flops(self) -> bool:
+        return self.tokens is not None
 
 
 def find_runs(paths: list[str | Path]) -> list[Path]:
@@ -123,18 +129,14 @@ def summarize(run_dir: Path, label: str) -> RunSummary:
     cols = _columns(run_dir / "metrics.csv")
     if "flops/total" not in cols:
         totals = _checkpoint_totals(run_dir)
-        if not totals:
-            raise ValueError(
-                f"The run {run_dir} has no FLOP totals (no flops/total in metrics.csv, no "
-                "FlopAccounting state in checkpoints/last.ckpt); train it with "
-                "nag_lightning.callbacks.FlopAccounting among trainer.callbacks."
-            )
-        last_step = max((s for v in cols.values() for s, _ in v), default=0)
-        cols["flops/total"] = [(last_step, totals["flops/total"])]
-        cols["flops/tokens"] = [(last_step, totals["flops/tokens"])]
-    totals = sorted(cols["flops/total"])
+        if totals:
+            last_step = max((s for v in cols.values() for s, _ in v), default=0)
+            cols["flops/total"] = [(last_step, totals["flops/total"])]
+            cols["flops/tokens"] = [(last_step, totals["flops/tokens"])]
+    totals = sorted(cols.get("flops/total", []))
     val = sorted(cols.get("val/bpb", []))
-    curve = [(_interp(step, totals), bpb) for step, bpb in val]
+    curve = [(_interp(step, totals), bpb) for step, bpb in val] if totals else []
+    last_step = totals[-1][0] if totals else max((s for v in cols.values() for s, _ in v), default=-1)
     fraction = [v for _, v in cols.get("flops/executed_fraction", [])]
     params = [v for _, v in cols.get("flops/executed_params_per_token", [])]
     hp = _hparams(run_dir)
@@ -144,8 +146,8 @@ def summarize(run_dir: Path, label: str) -> RunSummary:
         router = f"{router} " + ", ".join(f"{k}={v}" for k, v in options.items())
     return RunSummary(
         run=label, residual=str(hp.get("residual", "?")), router=str(router),
-        steps=totals[-1][0] + 1, tokens=int(cols["flops/tokens"][-1][1]),
-        training_flops=totals[-1][1],
+        steps=last_step + 1, tokens=int(cols["flops/tokens"][-1][1]) if totals else None,
+        training_flops=totals[-1][1] if totals else math.nan,
         executed_fraction=sum(fraction) / len(fraction) if fraction else math.nan,
         executed_params_per_token=sum(params) / len(params) if params else math.nan,
         final_val_bpb=val[-1][1] if val else math.nan, curve=curve,
@@ -158,10 +160,18 @@ def markdown_table(rows: list[RunSummary]) -> str:
     lines = [head, "|" + "---|" * 9]
     for r in rows:
         lines.append(
-            f"| {r.run} | {r.residual} | {r.router} | {r.steps} | {r.tokens:,} | {r.training_flops:.4g} "
-            f"| {r.executed_fraction:.3f} | {r.executed_params_per_token:,.0f} | {r.final_val_bpb:.4f} |"
+            f"| {r.run} | {r.residual} | {r.router} | {r.steps} | {_cell(r.tokens, ',')} "
+            f"| {_cell(r.training_flops, '.4g')} | {_cell(r.executed_fraction, '.3f')} "
+            f"| {_cell(r.executed_params_per_token, ',.0f')} | {_cell(r.final_val_bpb, '.4f')} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _cell(value: float | int | None, spec: str) -> str:
+    """`value` formatted, or '-' where the run did not log it ('' in CSV, where spec is '')."""
+    if not spec and (value is None or (isinstance(value, float) and math.isnan(value))):
+        return ""
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
 def plot(rows: list[RunSummary], path: Path) -> Path:
@@ -176,7 +186,8 @@ def plot(rows: list[RunSummary], path: Path) -> Path:
     ax.set(xlabel="training FLOPs", ylabel="validation bits per byte",
            title="Validation bits per byte against training compute")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if any(r.curve for r in rows):
+        ax.legend(fontsize=8)
     return save(fig, path)
 
 
@@ -189,7 +200,7 @@ def compare(runs: list[str | Path], out: str | Path = "runs/compare") -> list[Ru
     with open(out / "compare.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
-        writer.writerows(r.row() for r in rows)
+        writer.writerows({k: _cell(v, "") for k, v in r.row().items()} for r in rows)
     (out / "compare.md").write_text(markdown_table(rows))
     plot(rows, out / "compare.png")
     return rows
@@ -206,4 +217,8 @@ def compare_command(args: list[str]) -> None:
     cfg = parser.parse_args(args)
     rows = compare(cfg.runs, cfg.out)
     print(markdown_table(rows), end="")
+    missing = [r.run for r in rows if not r.has_flops]
+    if missing:
+        print(f"no FLOP totals ('-') for {', '.join(missing)}: train with "
+              "nag_lightning.callbacks.FlopAccounting among trainer.callbacks to count them")
     print(f"wrote {Path(cfg.out) / 'compare.csv'}, compare.md and compare.png")

@@ -29,6 +29,11 @@ def run_recipe(recipe: Path, out: Path, seed: int, extra: list[str]) -> dict:
     name = f"{recipe.stem}-s{seed}"
     fit_run(out, name, ["--config", str(recipe), f"--seed_everything={seed}", *extra])
     summary = summarize(out / name / "version_0", name)
+    if not summary.has_flops:
+        raise ValueError(
+            f"The run of {recipe} logged no training FLOPs; add nag_lightning.callbacks.FlopAccounting "
+            "and FlopBudget to its trainer.callbacks."
+        )
     return {"recipe": recipe.stem, "seed": seed, **summary.row(), "curve": summary.curve}
 
 

@@ -414,18 +414,36 @@ STUDIES = {
 }
 
 
-def study_command(args: list[str]) -> None:
-    """`nag-lightning study {depth,isoflop,tradeoff} [options]`."""
+def _study_function(name: str):
     import importlib
 
+    module, _, function = STUDIES[name].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _summary(function) -> str:
+    """The docstring without its Args section, which the option list already shows."""
+    return function.__doc__.split("Args:")[0].strip()
+
+
+def studies_help() -> str:
+    lines = [f"usage: nag-lightning study {{{','.join(STUDIES)}}} [options]   (each takes --help)", ""]
+    lines += [f"  {name:<10} {_summary(_study_function(name)).splitlines()[0]}" for name in STUDIES]
+    return "\n".join(lines) + "\n"
+
+
+def study_command(args: list[str]) -> None:
+    """`nag-lightning study {depth,isoflop,tradeoff} [options]`."""
     from jsonargparse import ArgumentParser
 
+    if args and args[0] in ("-h", "--help"):
+        print(studies_help(), end="")
+        return
     if not args or args[0] not in STUDIES:
         raise ValueError(
             f"Name the study to run, one of {', '.join(STUDIES)}: e.g. `nag-lightning study depth --help`."
         )
-    module, _, name = STUDIES[args[0]].partition(":")
-    function = getattr(importlib.import_module(module), name)
-    parser = ArgumentParser(prog=f"nag-lightning study {args[0]}", description=function.__doc__)
+    function = _study_function(args[0])
+    parser = ArgumentParser(prog=f"nag-lightning study {args[0]}", description=_summary(function))
     parser.add_function_arguments(function)
     function(**parser.parse_args(args[1:]).as_dict())

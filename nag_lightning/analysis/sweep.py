@@ -52,6 +52,8 @@ class SweepRow:
         bpb: bits per byte: the loss summed over the target tokens, in bits, over the bytes they
             stand for (val_loss / ln 2 for a byte-level model).
         predictor_agreement: top-k only: causal predictor's agreement with the exact top-k.
+        val_batches: validation batches the setting was evaluated on (the run's own val/bpb
+            averaged over its trainer.limit_val_batches, so the full-depth bpb can differ).
     """
 
     method: str
@@ -63,6 +65,7 @@ class SweepRow:
     val_loss: float
     bpb: float
     predictor_agreement: float | None = None
+    val_batches: int = 0
 
 
 def _batches(loader: Iterable, n: int) -> list[Tensor]:
@@ -221,7 +224,7 @@ def run_sweep(
             flops_per_token=result["flops_per_token"],
             executed_fraction=result["flops_per_token"] / dense_flops,
             val_loss=result["val_loss"], bpb=result["bpb"],
-            predictor_agreement=result["predictor_agreement"],
+            predictor_agreement=result["predictor_agreement"], val_batches=len(val_batches),
         ))
 
     if name == "topk":
@@ -309,7 +312,7 @@ def plot(rows: list[SweepRow], path: Path, title: str, trained_routed: bool = Fa
 
 def sweep(
     ckpt_path: str,
-    out_dir: str = "sweep",
+    out_dir: str | None = None,
     taus: list[float] | None = None,
     capacities: list[float] | None = None,
     val_batches: int = 8,
@@ -329,7 +332,8 @@ def sweep(
 
     Args:
         ckpt_path: a .ckpt file written by `nag-lightning fit`.
-        out_dir: folder for sweep.csv and sweep.png.
+        out_dir: folder for sweep.csv and sweep.png; None: `sweep-<checkpoint name>` in the run's
+            version folder (next to its checkpoints/ folder).
         taus: thresholds in radians (router none or threshold); None picks them at quantiles of the
             predicted angles, spanning MoD rates from 0 to about 60%.
         capacities: top-k capacities to sweep (router topk); None: 1.0 down to 0.3.
@@ -364,8 +368,8 @@ def sweep(
     fit = _batches(data.train_dataloader(), fit_batches) if needs_fit else None
     torch.manual_seed(seed)
     rows = run_sweep(module, val, fit, taus, capacities, route_kinds, fit_lr, oracle)
-    out = Path(out_dir)
-    title = f"{module.hparams.residual}, router {module.hparams.router}"
+    out = Path(out_dir) if out_dir is not None else default_out_dir(ckpt_path)
+    title = f"{module.hparams.residual}, router {module.hparams.router}, {len(val)} val batches"
     trained_routed = module.hparams.router != "none"
     return {"csv": write_csv(rows, out / "sweep.csv"),
             "png": plot(rows, out / "sweep.png", title, trained_routed)}
@@ -386,6 +390,14 @@ def checkpoint_data(module, ckpt_path: str, **options):
     return data
 
 
+def default_out_dir(ckpt_path: str) -> Path:
+    """`<version folder>/sweep-<checkpoint stem>` for a checkpoint in a run's checkpoints/ folder,
+    else `sweep-<stem>` beside the checkpoint: the results stay with the run they describe."""
+    ckpt = Path(ckpt_path)
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    return run_dir / f"sweep-{ckpt.stem}"
+
+
 def load_checkpoint(cls, ckpt_path: str, device: str, trust_checkpoint: bool = False):
     """`cls` (a NAGLanguageModel) from a checkpoint, read as untrusted input (`nag_lightning.trust`)."""
     module = cls.load_from_checkpoint(ckpt_path, map_location=device, trust_checkpoint=trust_checkpoint)
@@ -396,14 +408,21 @@ def sweep_command(args: list[str]) -> None:
     """`nag-lightning sweep`: accuracy against executed compute of a checkpoint's routing."""
     from jsonargparse import ArgumentParser
 
+    from nag_lightning.cli import flags_named
+
     parser = ArgumentParser(prog="nag-lightning sweep", description=sweep.__doc__.split("\n")[0])
     parser.add_function_arguments(sweep)
-    paths = sweep(**parser.parse_args(args).as_dict())
+    options = parser.parse_args(args).as_dict()
+    with flags_named(options):  # the data module's errors name data.X; here the flag is --X
+        paths = sweep(**options)
     rows = list(csv.DictReader(open(paths["csv"])))
     for row in rows:
         print(f"{row['method']:>15} {row['setting']}={float(row['value']):.4g}  "
               f"MoD {100 * float(row['mod_rate']):5.1f}%  "
-              f"FLOPs/token {float(row['flops_per_token']):.4g}  bpb {float(row['bpb']):.4f}"
+              f"FLOPs/token {float(row['flops_per_token']):.4g}  bpb {float(row['bpb']):.4f} "
+              f"({row['val_batches']} val batches)"
               + (f"  agreement {float(row['predictor_agreement']):.3f}"
                  if row["predictor_agreement"] else ""))
+    print(f"bits per byte over {rows[0]['val_batches']} validation batches (--val_batches); the run's "
+          "own val/bpb averaged over its trainer.limit_val_batches, so full depth can differ from it")
     print(f"wrote {paths['csv']} and {paths['png']}")

@@ -116,7 +116,7 @@ class FlopAccounting(L.Callback):
         if peak is None:
             dtype = _compute_dtype(trainer)
             peak = get_available_flops(trainer.strategy.root_device, dtype)
-            if peak is None:
+            if peak is None and trainer.strategy.root_device.type != "cpu":  # no MFU on CPU
                 rank_zero_info(
                     f"FlopAccounting: the peak FLOP/s of {trainer.strategy.root_device} in {dtype} "
                     "are unknown, so MFU is not logged; give peak_flops (per device) to log it."

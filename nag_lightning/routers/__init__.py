@@ -55,13 +55,24 @@ class Router(nn.Module):
         """Decide from the read input h (B, T, d) which tokens run the sublayer."""
         raise NotImplementedError
 
+    @property
+    def causal(self) -> bool:
+        """Whether, in eval mode, a token's decision and gate read only its own h. Generation with
+        a KV cache relies on it: it calls the router on the new tokens alone (often T = 1, with
+        padding tokens whose decisions it ignores) and never calls `observe`. A router whose
+        eval-mode decision looks at other tokens must return False, and cached generation then
+        refuses it."""
+        return True
+
     def observe(self, h: Tensor, route: Route, contribution: Tensor) -> None:
         """Learn from the write: `contribution` (B, T) is the measured angle (0 where skipped).
         Sets `self.aux_loss` for this forward pass."""
         self.aux_loss = h.new_zeros(())
 
     def flops_per_token(self) -> int:
-        """Forward FLOPs (2 x multiply-adds) the router spends per token it scores, for accounting."""
+        """Forward FLOPs (2 x multiply-adds) the router spends per token it scores, for accounting,
+        in its current mode (`self.training`): in training what `forward` and `observe` run there,
+        in evaluation what runs there. Count matrix products only, as `nag_lightning.flops` does."""
         return 0
 
     def stats(self) -> dict[str, float]:

@@ -94,6 +94,11 @@ class TopKRouter(Router):
             return Route(executed=None, gate=torch.sigmoid(s))  # every token runs: no gather
         return Route(executed=executed, gate=torch.sigmoid(s))
 
+    @property
+    def causal(self) -> bool:
+        """In eval mode the predictor decides per token; the exact top-k reads the whole sequence."""
+        return self.eval_routing == "predictor"
+
     @staticmethod
     def _topk_mask(s: Tensor, k: int) -> Tensor:
         """(B, T) bool: the k highest scores of each sequence."""
