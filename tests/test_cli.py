@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 
-from nag_lightning.cli import main
+from tests.helpers import run_command as run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
@@ -23,17 +23,6 @@ DEBUG = str(ROOT / "recipes" / "debug.yaml")
 def cache_dir(tmp_path_factory) -> str:
     """One data cache for the whole session, so the debug corpus is tokenized once."""
     return str(tmp_path_factory.mktemp("data_cache"))
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    """Run the command in-process; return its exit status, stdout and stderr."""
-    try:
-        main(args)
-        status = 0
-    except SystemExit as exit_:
-        status = exit_.code if isinstance(exit_.code, int) else 1
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(ROOT / "recipes")))

@@ -21,6 +21,7 @@ from nag_lightning.cli import main
 from nag_lightning.data import ByteDataModule, load_tokenizer, prepare_corpus, token_counts
 from nag_lightning.module import NAGLanguageModel
 from nag_lightning.tokenizer import HFTokenizer, StreamDecoder, Tokenizer
+from tests.helpers import run_command as run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
@@ -178,16 +179,6 @@ def test_predict_gives_per_sequence_bits_per_byte(corpus, cache):
 
 
 # ---- the command line -------------------------------------------------------------------------------
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        main(args)
-        status = 0
-    except SystemExit as exit_:
-        status = exit_.code if isinstance(exit_.code, int) else 1
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def fit(corpus: Path, cache: Path, *extra: str) -> list[str]:
