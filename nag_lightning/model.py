@@ -123,6 +123,10 @@ class TransformerConfig:
             )
         return set(self.route_layers)
 
+    def is_routed(self, index: int) -> bool:
+        """Whether sublayer `index` (block index // 2, attention first) gets the router."""
+        return index // 2 in self.routed_layers() and SUBLAYER_KINDS[index % 2] in self.route_kinds
+
 
 class Rotary(nn.Module):
     """Rotary position embedding (RoPE) for any positions, including gathered ones."""
@@ -247,6 +251,9 @@ class Sublayer(nn.Module):
     After each forward it holds, detached, what accounting and diagnostics read: `executed_per_seq`
     (B,) executed tokens of each sequence, and, when `record` is set, `contribution` (B, T) and
     `state_norm` (B, T) after the write.
+
+    With `oracle_tau` set (analysis only, `Transformer.set_oracle`), the router is not asked: every
+    token runs, and the write is kept where the angle it turned the token by reaches oracle_tau.
     """
 
     def __init__(self, kind: str, index: int, compute: nn.Module, router: Router) -> None:
@@ -259,11 +266,19 @@ class Sublayer(nn.Module):
         self.executed_per_seq: Tensor | None = None
         self.contribution: Tensor | None = None
         self.state_norm: Tensor | None = None
+        self.oracle_tau: float | None = None
+
+    @property
+    def routed(self) -> bool:
+        """Whether this sublayer's router may skip tokens."""
+        return self.router.routes
 
     def forward(self, state: State, strategy: ResidualStrategy, cached: CachedPass | None = None) -> State:
         """The sublayer over the whole sequence, or, with `cached`, over new tokens only: attention
         then reads and extends the KV cache, padding executes nothing, the router only decides
         (nothing is learned or recorded), and a sublayer no token runs costs nothing."""
+        if self.oracle_tau is not None and cached is None:
+            return self._oracle(state, strategy)
         # (B, T, C); cast for models held in low precision while the state lanes stay fp32
         h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
         route: Route = self.router(h)
@@ -308,6 +323,18 @@ class Sublayer(nn.Module):
         return state
 
 
+    def _oracle(self, state: State, strategy: ResidualStrategy) -> State:
+        """Every token runs; the write stays where the measured angle reaches `oracle_tau`. The
+        angle is known only after the sublayer ran, so this saves no compute: it shows how well
+        a predictor of the angle could do at the same MoD rate."""
+        h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
+        written, angle = strategy.write(state, self.compute(h), None, self.index, True)
+        keep = angle >= self.oracle_tau  # (B, T)
+        self.executed_per_seq = keep.sum(1)
+        return tuple(torch.where(keep.unsqueeze(-1) if new.ndim > keep.ndim else keep, new, old)
+                     for new, old in zip(written, state))
+
+
 class Block(nn.Module):
     """One attention and one MLP sublayer (the unit FSDP wraps)."""
 
@@ -342,20 +369,19 @@ class Transformer(nn.Module):
         )
         rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_base)
         self.rotary = rotary
-        routed = cfg.routed_layers()
         blocks = []
         for layer in range(cfg.n_layers):
             sublayers = []
             for offset, (kind, compute) in enumerate(
                 (("attn", Attention(cfg, rotary)), ("mlp", SwiGLU(cfg)))
             ):
-                is_routed = layer in routed and kind in cfg.route_kinds
+                index = 2 * layer + offset
                 router = (
                     build_router(cfg.router, cfg.d_model, **cfg.router_options)
-                    if is_routed
+                    if cfg.is_routed(index)
                     else build_router("none", cfg.d_model)
                 )
-                sublayers.append(Sublayer(kind, 2 * layer + offset, compute, router))
+                sublayers.append(Sublayer(kind, index, compute, router))
             blocks.append(Block(*sublayers))
         self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -376,6 +402,12 @@ class Transformer(nn.Module):
     @property
     def sublayers(self) -> list[Sublayer]:
         return [s for block in self.blocks for s in (block.attn, block.mlp)]
+
+    def set_oracle(self, tau: float | None) -> None:
+        """Route every routed sublayer by the oracle at `tau` radians (see `Sublayer`); None
+        routes by the routers again."""
+        for sublayer in self.sublayers:
+            sublayer.oracle_tau = tau if sublayer.routed else None
 
     def record_diagnostics(self, on: bool) -> None:
         """Keep each sublayer's contribution and state norm after the next forward passes."""

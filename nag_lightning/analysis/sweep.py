@@ -1,199 +1,62 @@
 """`nag-lightning sweep`: the accuracy/compute trade-off of a trained model (arXiv 2606.16112,
 claim 5: MoD as a post-training knob).
 
-    checkpoint ─> router none:      attach threshold routers, fit their probes (model frozen)
-               ─> router threshold: keep its trained probes
-               ─> router topk:      its scorer (exact top-k) and its causal predictor
-    then, for every setting (tau in radians, or top-k capacity), evaluate N validation batches:
-    MoD rate, executed forward FLOPs per token, loss, bits per byte  ─> sweep.csv, sweep.png
+    checkpoint ─> trained without routing: attach the routers `Router.for_sweep` offers
+                  (threshold), fit them with the model frozen (`probes`)
+               ─> trained with a router: its own routers as trained
+    then, for every value of the routers' `sweep_setting` (tau in radians, top-k capacity, ...),
+    evaluate N validation batches (`evaluation`): MoD rate, executed forward FLOPs per token,
+    loss, bits per byte  ─> sweep.csv, sweep.png (`sweep_report`)
 
-The oracle curve skips a sublayer where its *measured* contribution angle is below tau: it knows
-the angle only after computing the sublayer, so it saves no compute; for a model trained without
-a router it bounds from above what a predictor of the angle could reach at the same MoD rate. A
-model trained with routing never ran dense, so there it is a reference, not a bound.
+The sweep asks routers only through the `Router` interface, so a router of another package,
+named by class path, sweeps as the built-in ones do. When the setting is an angle threshold, the
+oracle curve skips a sublayer where its *measured* contribution angle is below it
+(`Transformer.set_oracle`): it knows the angle only after computing the sublayer, so it saves no
+compute; for a model trained without a router it bounds from above what a predictor of the angle
+could reach at the same MoD rate. A model trained with routing never ran dense, so there it is a
+reference, not a bound.
 """
 
 from __future__ import annotations
 
-import csv
-import math
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from nag_lightning.analysis.routing_stats import is_routed
-from nag_lightning.flops import count_model, full_depth_forward_flops
-from nag_lightning.model import Transformer
-from nag_lightning.plotting import pyplot, save
-from nag_lightning.routers.threshold import ThresholdRouter
-from nag_lightning.routers.topk import TopKRouter
-
-DEFAULT_RATE_QUANTILES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6)
-DEFAULT_CAPACITIES = (1.0, 0.9, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4, 0.3)
+from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, load_checkpoint
+from nag_lightning.analysis.probes import attach_sweep_routers, fit_probes
+from nag_lightning.analysis.sweep_report import ORACLE, SweepRow, plot, report, write_csv
+from nag_lightning.flops import full_depth_forward_flops
+from nag_lightning.model import SUBLAYER_KINDS, Transformer
+from nag_lightning.routers import Router
 
 
-@dataclass
-class SweepRow:
-    """One evaluated setting.
-
-    Attributes:
-        method: "threshold", "oracle", "topk" (exact, non-causal top-k) or "topk_predictor".
-        setting: "tau" (radians) or "capacity".
-        value: the setting's value.
-        mod_rate: skipped (token, sublayer) executions over all of them, whole model.
-        flops_per_token: executed forward FLOPs per token (for the oracle: what its skips would
-            cost if they were free to find, which they are not).
-        executed_fraction: flops_per_token over the full-depth model's.
-        val_loss: next-token cross-entropy in nats.
-        bpb: bits per byte: the loss summed over the target tokens, in bits, over the bytes they
-            stand for (val_loss / ln 2 for a byte-level model).
-        predictor_agreement: top-k only: causal predictor's agreement with the exact top-k.
-        val_batches: validation batches the setting was evaluated on (the run's own val/bpb
-            averaged over its trainer.limit_val_batches, so the full-depth bpb can differ).
-    """
-
-    method: str
-    setting: str
-    value: float
-    mod_rate: float
-    flops_per_token: float
-    executed_fraction: float
-    val_loss: float
-    bpb: float
-    predictor_agreement: float | None = None
-    val_batches: int = 0
-
-
-def _batches(loader: Iterable, n: int) -> list[Tensor]:
-    out = []
-    for batch in loader:
-        out.append(batch.long())
-        if len(out) == n:
-            break
-    if not out:
-        raise ValueError("The data module returned no batches; check the data options.")
-    return out
-
-
-@torch.no_grad()
-def evaluate(
-    model: Transformer,
-    batches: list[Tensor],
-    oracle_tau: float | None = None,
-    token_bytes: Tensor | None = None,
-) -> dict:
-    """Mean loss, bits per byte, MoD rate, executed FLOPs per token and router agreement over
-    `batches`; with `oracle_tau`, the oracle forward instead of the routers. `token_bytes` (the
-    bytes each id stands for, `NAGLanguageModel.token_bytes`) turns the loss into bits per byte;
-    None: one byte per token."""
-    device = next(model.parameters()).device
-    nll = tokens = n_bytes = skipped = flops = 0.0
-    agreement: list[float] = []
-    for batch in batches:
-        batch = batch.to(device)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        B, T = inputs.shape
-        logits = model(inputs).logits if oracle_tau is None else oracle_forward(model, inputs, oracle_tau)
-        nll += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").item()
-        tokens += B * T
-        n_bytes += B * T if token_bytes is None else token_bytes.to(device)[targets].sum().item()
-        executed = sum(s.executed_per_seq.sum().item() for s in model.sublayers)
-        skipped += B * T * len(model.sublayers) - executed
-        flops += count_model(model, T).forward
-        agreement += [
-            s.router.stats()["predictor_agreement"] for s in model.sublayers
-            if isinstance(s.router, TopKRouter)
-        ]
-    return {
-        "val_loss": nll / tokens,
-        "bpb": nll / n_bytes / math.log(2),
-        "mod_rate": skipped / (tokens * len(model.sublayers)),
-        "flops_per_token": flops / tokens,
-        "predictor_agreement": sum(agreement) / len(agreement) if agreement else None,
-    }
-
-
-def oracle_forward(model: Transformer, idx: Tensor, tau: float) -> Tensor:
-    """Logits of `model` when each routed sublayer's write is dropped wherever the angle it turns
-    the token by, measured after computing it on every token, is below `tau`. Sets each
-    sublayer's `executed_per_seq` to the tokens it kept, as a routed forward would."""
-    strategy = model.strategy
-    state = strategy.init_state(model.embed(idx))
-    for s in model.sublayers:
-        h = strategy.read(state, s.index).to(s.compute.proj.weight.dtype)
-        written, angle = strategy.write(state, s.compute(h), None, s.index, True)
-        keep = angle >= tau if is_routed(s) else torch.ones_like(angle, dtype=torch.bool)
-        state = tuple(torch.where(keep.unsqueeze(-1) if new.ndim > keep.ndim else keep, new, old)
-                      for new, old in zip(written, state))
-        s.executed_per_seq = keep.sum(1)
-    features, scale = strategy.final(state)
-    logits = model.head(features.to(model.head.weight.dtype))
-    return logits if scale is None else logits * scale
-
-
-def attach_threshold_routers(model: Transformer, route_kinds: list[str], warmup: int) -> None:
-    """Give every sublayer of `route_kinds` a fresh threshold router that runs every token for
-    its first `warmup` training forwards (while its probe is fitted)."""
-    for s in model.sublayers:
-        if s.kind in route_kinds:
-            router = ThresholdRouter(model.cfg.d_model, warmup_steps=warmup)
-            s.router = router.to(next(model.parameters()).device)
-
-
-def fit_probes(model: Transformer, batches: list[Tensor], lr: float) -> list[float]:
-    """Train only the threshold routers' probes on `batches`, the model frozen; returns the
-    probes' mean-squared error per batch."""
-    model.requires_grad_(False).eval()
-    routers = [s.router for s in model.sublayers if isinstance(s.router, ThresholdRouter)]
-    params = [p for r in routers for p in r.parameters()]
-    for p in params:
-        p.requires_grad_(True)
-    for r in routers:
-        r.train()
-    optimizer = torch.optim.Adam(params, lr=lr)
-    device = params[0].device
-    losses = []
-    for batch in batches:
-        out = model(batch[:, :-1].to(device))
-        optimizer.zero_grad()
-        out.aux_loss.backward()
-        optimizer.step()
-        losses.append(out.aux_loss.item() / len(routers))
-    model.requires_grad_(False).eval()
-    return losses
-
-
-@torch.no_grad()
-def default_taus(model: Transformer, batches: list[Tensor]) -> list[float]:
-    """Thresholds at quantiles of the probes' predicted angles, pooled over routed sublayers, so
-    the sweep spans MoD rates from 0 to about 60%."""
-    device = next(model.parameters()).device
-    predictions: list[Tensor] = []
-    hooks = [
-        s.router.register_forward_hook(
-            lambda router, args, out: predictions.append(router.predict(args[0]).flatten().float())
+def routed_routers(model: Transformer) -> list[Router]:
+    """The routers of the routed sublayers, all of one class (a model has one router setting)."""
+    routers = [s.router for s in model.sublayers if s.routed]
+    kinds = {type(r) for r in routers}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"The model routes with several router classes ({sorted(k.__name__ for k in kinds)}); "
+            "a sweep varies one router's setting, so sweep a model with one router."
         )
-        for s in model.sublayers if isinstance(s.router, ThresholdRouter)
-    ]
+    return routers
+
+
+@torch.no_grad()
+def read_inputs(model: Transformer, routers: list[Router], batch: Tensor) -> list[Tensor]:
+    """The read input h each of `routers` sees on `batch`."""
+    inputs: dict[Router, Tensor] = {}
+    hooks = [r.register_forward_hook(lambda router, args, out: inputs.__setitem__(router, args[0]))
+             for r in routers]
     try:
-        model(batches[0][:, :-1].to(device))
+        model(batch[:, :-1].to(next(model.parameters()).device))
     finally:
         for hook in hooks:
             hook.remove()
-    pooled = torch.cat(predictions).cpu()
-    taus = torch.quantile(pooled, torch.tensor(DEFAULT_RATE_QUANTILES, dtype=pooled.dtype))
-    taus[0] = 0.0
-    return sorted({round(t, 6) for t in taus.tolist()})
-
-
-def set_tau(model: Transformer, tau: float) -> None:
-    for s in model.sublayers:
-        if isinstance(s.router, ThresholdRouter):
-            s.router.tau.fill_(tau)
+    return [inputs[r] for r in routers]
 
 
 def run_sweep(
@@ -205,20 +68,36 @@ def run_sweep(
     route_kinds: list[str] | None = None,
     fit_lr: float = 1e-2,
     oracle: bool = True,
+    values: list[float] | None = None,
 ) -> list[SweepRow]:
-    """Evaluate a trained `NAGLanguageModel` over routing settings; see the module docstring."""
+    """Evaluate a trained `NAGLanguageModel` over routing settings; see the module docstring.
+    The values swept are `values`, else `taus` for a setting named tau, `capacities` for one named
+    capacity, else the router's defaults (`Router.default_sweep_values`)."""
     model: Transformer = module.model
     model.requires_grad_(False).eval()
-    router = module.hparams.router
-    name = router if isinstance(router, str) else None
+    routers = routed_routers(model)
+    if not routers:
+        if not fit_batches:
+            raise ValueError("A model trained without a router needs fit batches to fit the probes.")
+        attached = attach_sweep_routers(model, route_kinds or list(SUBLAYER_KINDS), len(fit_batches))
+        if not attached:
+            raise ValueError("No sublayer of --route_kinds was given a router to sweep; name attn or mlp.")
+        fit_probes(model, attached, fit_batches, fit_lr)
+        routers = routed_routers(model)
+    kind = type(routers[0])
+    setting = kind.sweep_setting
+    if setting is None:
+        raise ValueError(
+            f"The router {getattr(kind, 'registry_name', kind.__qualname__)!r} has no setting to "
+            "sweep after training (Router.sweep_setting); sweep a model trained with another router."
+        )
+    method = getattr(kind, "registry_name", kind.__name__)
     seq_len = val_batches[0].shape[1] - 1
-    dense_flops = _dense_flops(model, seq_len)
+    dense_flops = full_depth_forward_flops(model.cfg, seq_len) / seq_len
     rows: list[SweepRow] = []
 
-    def score(model: Transformer, batches: list[Tensor], oracle_tau: float | None = None) -> dict:
-        return evaluate(model, batches, oracle_tau, token_bytes=module.token_bytes)
-
-    def add(method: str, setting: str, value: float, result: dict) -> None:
+    def add(method: str, value: float) -> None:
+        result = evaluate(model, val_batches, token_bytes=module.token_bytes)
         rows.append(SweepRow(
             method=method, setting=setting, value=value, mod_rate=result["mod_rate"],
             flops_per_token=result["flops_per_token"],
@@ -227,87 +106,23 @@ def run_sweep(
             predictor_agreement=result["predictor_agreement"], val_batches=len(val_batches),
         ))
 
-    if name == "topk":
-        routers = [s.router for s in model.sublayers if isinstance(s.router, TopKRouter)]
-        trained = routers[0].capacity
-        add("topk_predictor", "capacity", trained, score(model, val_batches))
-        for capacity in capacities or DEFAULT_CAPACITIES:
-            for r in routers:
-                r.capacity, r.eval_routing = capacity, "topk"
-            add("topk", "capacity", capacity, score(model, val_batches))
-        for r in routers:
-            r.capacity, r.eval_routing = trained, "predictor"
-        return rows
-    if name == "none":
-        if not fit_batches:
-            raise ValueError("A model trained without a router needs fit batches to fit the probes.")
-        attach_threshold_routers(model, route_kinds or ["attn", "mlp"], warmup=len(fit_batches))
-        fit_probes(model, fit_batches, fit_lr)
-    elif name != "threshold":
-        raise ValueError(
-            f"sweep handles checkpoints trained with router none, threshold or topk; this one used "
-            f"{router!r}."
-        )
-    for tau in taus if taus is not None else default_taus(model, val_batches):
-        if tau < 0:
-            raise ValueError(f"A threshold tau is an angle in radians and cannot be negative; got {tau}.")
-        set_tau(model, tau)
-        add("threshold", "tau", tau, score(model, val_batches))
-        if oracle:
-            add("oracle", "tau", tau, score(model, val_batches, oracle_tau=tau))
+    if kind.sweep_baseline is not None:
+        add(kind.sweep_baseline, float(getattr(routers[0], setting)))
+    chosen = values if values is not None else {"tau": taus, "capacity": capacities}.get(setting)
+    if chosen is None:
+        chosen = kind.default_sweep_values(routers, read_inputs(model, routers, val_batches[0]))
+    for value in chosen:
+        with ExitStack() as stack:
+            for router in routers:
+                stack.enter_context(router.sweeping(value))
+            add(method, value)
+        if oracle and kind.sweep_setting_is_angle:
+            model.set_oracle(value)
+            try:
+                add(ORACLE, value)
+            finally:
+                model.set_oracle(None)
     return rows
-
-
-def _dense_flops(model: Transformer, seq_len: int) -> float:
-    """Forward FLOPs per token of the same model with every token running every sublayer."""
-    return full_depth_forward_flops(model.cfg, seq_len) / seq_len
-
-
-def write_csv(rows: list[SweepRow], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: "" if v is None else v for k, v in asdict(row).items()})
-    return path
-
-
-LABELS = {
-    "threshold": "threshold router (sweep of tau)",
-    "oracle": "oracle: skips on the measured angle (upper bound, saves no compute)",
-    "topk": "top-k, exact (non-causal, analysis only)",
-    "topk_predictor": "top-k, causal predictor (as trained)",
-}
-
-
-ORACLE_TRAINED_ROUTED = "oracle: skips on the measured angle (saves no compute; no bound here)"
-
-
-def plot(rows: list[SweepRow], path: Path, title: str, trained_routed: bool = False) -> Path:
-    """Bits per byte against executed forward FLOPs per token, one line per method. The oracle
-    bounds post-training routing; a model trained with routing never ran dense, so there it is
-    only a reference (`trained_routed` says so in its label)."""
-    plt = pyplot()
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, style in (("threshold", "o-"), ("oracle", "s--"), ("topk", "o-"),
-                          ("topk_predictor", "*")):
-        points = sorted((r.flops_per_token, r.bpb, r.mod_rate) for r in rows if r.method == method)
-        if not points:
-            continue
-        x, y, rate = zip(*points)
-        label = ORACLE_TRAINED_ROUTED if method == "oracle" and trained_routed else LABELS[method]
-        ax.plot(x, y, style, label=label, markersize=9 if style == "*" else 5)
-        if method in ("threshold", "topk"):
-            for xi, yi, ri in zip(x, y, rate):
-                ax.annotate(f"{100 * ri:.0f}%", (xi, yi), fontsize=7, xytext=(3, 3),
-                            textcoords="offset points")
-    ax.set(xlabel="executed forward FLOPs per token", ylabel="validation bits per byte",
-           title=f"{title} (labels: MoD rate)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return save(fig, path)
 
 
 def sweep(
@@ -327,6 +142,7 @@ def sweep(
     device: str = "cpu",
     seed: int = 0,
     trust_checkpoint: bool = False,
+    values: list[float] | None = None,
 ) -> dict[str, Path]:
     """Sweep a checkpoint's routing and write sweep.csv and sweep.png into `out_dir`.
 
@@ -350,44 +166,29 @@ def sweep(
         seed: seed of the attached probes' initialisation.
         trust_checkpoint: let the checkpoint's residual or router import and call a class path
             outside the registered plugins; only for checkpoints whose origin you trust.
+        values: values of the router's setting to sweep, for any router (Router.sweep_setting);
+            None: taus or capacities, else the router's defaults.
     """
-    from nag_lightning.module import NAGLanguageModel
-    from nag_lightning.trust import read_checkpoint
-
-    module = load_checkpoint(NAGLanguageModel, ckpt_path, device, trust_checkpoint)
-    saved = read_checkpoint(ckpt_path).get("datamodule_hyper_parameters", {})
-    data_options = {k: v for k, v in saved.items()
-                    if k in ("source", "cache_dir", "batch_size", "max_bytes", "val_fraction", "tokenizer")}
-    overrides = {"source": source, "cache_dir": cache_dir, "batch_size": batch_size, "max_bytes": max_bytes}
-    data_options.update({k: v for k, v in overrides.items() if v is not None})
-    data = checkpoint_data(module, ckpt_path, seq_len=module.hparams.seq_len, **data_options)
-    data.prepare_data()
+    module = load_checkpoint(ckpt_path, device, trust_checkpoint)
+    data = checkpoint_data(module, ckpt_path, source=source, cache_dir=cache_dir,
+                           batch_size=batch_size, max_bytes=max_bytes)
     data.setup("fit")
-    val = _batches(data.val_dataloader(), val_batches)
-    needs_fit = module.hparams.router == "none"
-    fit = _batches(data.train_dataloader(), fit_batches) if needs_fit else None
+    val = first_batches(data.val_dataloader(), val_batches)
+    trained_routed = any(s.routed for s in module.model.sublayers)
+    fit = None if trained_routed else first_batches(data.train_dataloader(), fit_batches)
     torch.manual_seed(seed)
-    rows = run_sweep(module, val, fit, taus, capacities, route_kinds, fit_lr, oracle)
+    rows = run_sweep(module, val, fit, taus, capacities, route_kinds, fit_lr, oracle, values)
     out = Path(out_dir) if out_dir is not None else default_out_dir(ckpt_path)
-    title = f"{module.hparams.residual}, router {module.hparams.router}, {len(val)} val batches"
-    trained_routed = module.hparams.router != "none"
+    cfg = module.config
+    title = f"{_name(cfg.residual)}, router {_name(cfg.router)}, {len(val)} val batches"
+    as_trained = tuple({type(s.router).sweep_baseline for s in module.model.sublayers if s.routed} - {None})
     return {"csv": write_csv(rows, out / "sweep.csv"),
-            "png": plot(rows, out / "sweep.png", title, trained_routed)}
+            "png": plot(rows, out / "sweep.png", title, trained_routed, as_trained)}
 
 
-def checkpoint_data(module, ckpt_path: str, **options):
-    """A `ByteDataModule` of `options` whose tokens are those `module` (loaded from `ckpt_path`)
-    was trained on; one sentence if its tokenizer differs from the checkpoint's."""
-    from nag_lightning.data import ByteDataModule
-
-    data = ByteDataModule(**options)
-    if data.tokenizer != module.tokenizer:
-        raise ValueError(
-            f"The checkpoint {ckpt_path} was trained on tokens of {module.tokenizer.describe()}, "
-            f"but its data would now be tokenized with {data.tokenizer.describe()}; give the "
-            "source and cache_dir it was trained with."
-        )
-    return data
+def _name(spec: object) -> str:
+    """A plugin setting as a title shows it: the short name, or the class of a class path."""
+    return str(spec).rpartition(".")[2]
 
 
 def default_out_dir(ckpt_path: str) -> Path:
@@ -398,31 +199,12 @@ def default_out_dir(ckpt_path: str) -> Path:
     return run_dir / f"sweep-{ckpt.stem}"
 
 
-def load_checkpoint(cls, ckpt_path: str, device: str, trust_checkpoint: bool = False):
-    """`cls` (a NAGLanguageModel) from a checkpoint, read as untrusted input (`nag_lightning.trust`)."""
-    module = cls.load_from_checkpoint(ckpt_path, map_location=device, trust_checkpoint=trust_checkpoint)
-    return module.to(device).eval()
-
-
 def sweep_command(args: list[str]) -> None:
     """`nag-lightning sweep`: accuracy against executed compute of a checkpoint's routing."""
-    from jsonargparse import ArgumentParser
+    from nag_lightning.cli import flags_named, function_parser
 
-    from nag_lightning.cli import flags_named
-
-    parser = ArgumentParser(prog="nag-lightning sweep", description=sweep.__doc__.split("\n")[0])
-    parser.add_function_arguments(sweep)
-    options = parser.parse_args(args).as_dict()
-    with flags_named(options):  # the data module's errors name data.X; here the flag is --X
-        paths = sweep(**options)
-    rows = list(csv.DictReader(open(paths["csv"])))
-    for row in rows:
-        print(f"{row['method']:>15} {row['setting']}={float(row['value']):.4g}  "
-              f"MoD {100 * float(row['mod_rate']):5.1f}%  "
-              f"FLOPs/token {float(row['flops_per_token']):.4g}  bpb {float(row['bpb']):.4f} "
-              f"({row['val_batches']} val batches)"
-              + (f"  agreement {float(row['predictor_agreement']):.3f}"
-                 if row["predictor_agreement"] else ""))
-    print(f"bits per byte over {rows[0]['val_batches']} validation batches (--val_batches); the run's "
-          "own val/bpb averaged over its trainer.limit_val_batches, so full depth can differ from it")
+    options = function_parser(sweep, "nag-lightning sweep", sweep.__doc__.split("\n")[0]).parse_args(args)
+    with flags_named(options.as_dict()):  # the data module's errors name data.X; here the flag is --X
+        paths = sweep(**options.as_dict())
+    report(paths["csv"])
     print(f"wrote {paths['csv']} and {paths['png']}")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -42,9 +44,27 @@ class Route:
 class Router(nn.Module):
     """Base class of routers; one instance per routed sublayer.
 
+    After training, `nag-lightning sweep` traces accuracy against compute through the interface at
+    the end of this class (`sweep_setting`, `sweeping`, `default_sweep_values`, `for_sweep`), so it
+    handles any router, registered or named by class path, without knowing which it is.
+
     Args:
         d_model: width of the sublayer's read input.
     """
+
+    routes: bool = True
+    """Whether this router may skip tokens; False only for `none`, which runs every token."""
+
+    sweep_setting: str | None = None
+    """The setting a post-training sweep varies (e.g. "tau", "capacity"), or None: nothing."""
+
+    sweep_setting_is_angle: bool = False
+    """Whether `sweep_setting` is a threshold in radians on the contribution angle, so the sweep
+    also evaluates the oracle that skips where the measured angle is below the same value."""
+
+    sweep_baseline: str | None = None
+    """Name of a sweep row evaluated with the routers as trained, before any setting is changed
+    (top-k: its causal predictor), or None for no such row."""
 
     def __init__(self, d_model: int) -> None:
         super().__init__()
@@ -79,6 +99,29 @@ class Router(nn.Module):
         """Router-specific numbers to log (auxiliary losses, predictor accuracy, thresholds)."""
         return {}
 
+    # ---- post-training sweep ------------------------------------------------------------------
+
+    @contextmanager
+    def sweeping(self, value: float) -> Iterator[None]:
+        """Inside the block, evaluation routes with `sweep_setting` at `value`; on leaving it,
+        the router is as it was. Needed when `sweep_setting` is not None."""
+        raise NotImplementedError(f"{type(self).__name__} names no sweep_setting to sweep.")
+        yield  # pragma: no cover - makes this a generator, as overrides are
+
+    @classmethod
+    def default_sweep_values(cls, routers: list[Router], inputs: list[Tensor]) -> list[float]:
+        """The values of `sweep_setting` a sweep evaluates when the user gives none: `routers` are
+        the model's routers of this class, `inputs` the read input h (B, T, d) each saw on one
+        validation batch."""
+        raise NotImplementedError(f"{cls.__name__} names no sweep_setting to sweep.")
+
+    def for_sweep(self, fit_steps: int) -> Router | None:
+        """A router to put in this one's place before a post-training sweep of a model that was
+        trained without routing, or None to sweep this one as it is. The sweep fits the new
+        router's parameters on `fit_steps` training batches through its `aux_loss`, the model
+        frozen, so it must learn from `observe` in training mode."""
+        return None
+
 
 ROUTERS: Registry[Router] = Registry("router", "nag_lightning.routers")
 
@@ -87,8 +130,16 @@ ROUTERS: Registry[Router] = Registry("router", "nag_lightning.routers")
 class NoRouter(Router):
     """Every token runs every sublayer, with g = 1."""
 
+    routes = False
+
     def forward(self, h: Tensor) -> Route:
         return Route()
+
+    def for_sweep(self, fit_steps: int) -> Router:
+        """A model trained without routing is swept with threshold routers: the contribution angle
+        needs no training of the model to predict, only of a probe. Every token runs while the
+        probe is fitted."""
+        return ROUTERS.get("threshold")(self.d_model, warmup_steps=fit_steps)
 
 
 def build_router(spec: str | dict, d_model: int, **options: object) -> Router:

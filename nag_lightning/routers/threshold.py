@@ -48,6 +48,8 @@ Choices:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +60,10 @@ from nag_lightning.routers import ROUTERS, Route, Router
 SPLIT_BAND = 0.02
 """How far (a share of the batch's tokens) a batch's evaluation threshold may split from the target
 share to sit in a gap between predictions rather than inside a cluster of them."""
+
+SWEEP_RATE_QUANTILES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6)
+"""Quantiles of the predicted angles a post-training sweep puts tau at by default: MoD rates from
+0 to about 60%."""
 
 
 def inverse_softplus(y: Tensor) -> Tensor:
@@ -90,6 +96,8 @@ class ThresholdRouter(Router):
     """
 
     needs_contribution = True
+    sweep_setting = "tau"
+    sweep_setting_is_angle = True
 
     def __init__(
         self,
@@ -273,3 +281,25 @@ class ThresholdRouter(Router):
     def stats(self) -> dict[str, float]:
         """tau, the probe's MSE and the mean predicted and measured angle of executed tokens."""
         return {k: v.item() for k, v in self._stats.items()}
+
+    @contextmanager
+    def sweeping(self, value: float) -> Iterator[None]:
+        """Evaluate with tau = `value` radians."""
+        if value < 0:
+            raise ValueError(f"A threshold tau is an angle in radians and cannot be negative; got {value}.")
+        trained = self.tau.clone()
+        self.tau.fill_(value)
+        try:
+            yield
+        finally:
+            self.tau.copy_(trained)
+
+    @classmethod
+    @torch.no_grad()
+    def default_sweep_values(cls, routers: list[Router], inputs: list[Tensor]) -> list[float]:
+        """tau at quantiles of the predicted angles, pooled over the routed sublayers, so the sweep
+        spans MoD rates from 0 to about 60%; the first is 0, which skips nothing."""
+        pooled = torch.cat([r.predict(h).flatten().float() for r, h in zip(routers, inputs)]).cpu()
+        taus = torch.quantile(pooled, torch.tensor(SWEEP_RATE_QUANTILES, dtype=pooled.dtype))
+        taus[0] = 0.0
+        return sorted({round(t, 6) for t in taus.tolist()})

@@ -1,0 +1,96 @@
+"""A trained model evaluated on its own data: checkpoint, data module, batches, loss and routing.
+
+What the sweep and the studies share. `evaluate` runs the model as it is set up (its routers at
+their settings, or the oracle of `Transformer.set_oracle`) and reads the counts of
+`nag_lightning.flops`, so its MoD rate and FLOPs are the ones training logs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nag_lightning.flops import count_model
+from nag_lightning.model import Transformer
+
+DATA_OPTIONS = ("source", "cache_dir", "batch_size", "max_bytes", "val_fraction", "tokenizer")
+"""The data module settings a checkpoint's run is evaluated with again."""
+
+
+def load_checkpoint(ckpt_path: str | Path, device: str, trust_checkpoint: bool = False):
+    """The `NAGLanguageModel` of a checkpoint, in eval mode on `device`, read as untrusted input
+    (`nag_lightning.trust`)."""
+    from nag_lightning.module import NAGLanguageModel
+
+    module = NAGLanguageModel.load_from_checkpoint(
+        str(ckpt_path), map_location=device, trust_checkpoint=trust_checkpoint
+    )
+    return module.to(device).eval()
+
+
+def checkpoint_data(module, ckpt_path: str | Path, **overrides):
+    """A `ByteDataModule` with the data settings the checkpoint's run saved, `overrides` (not None)
+    on top, prepared; one sentence if its tokenizer differs from the checkpoint's."""
+    from nag_lightning.data import ByteDataModule
+    from nag_lightning.trust import read_checkpoint
+
+    saved = read_checkpoint(ckpt_path).get("datamodule_hyper_parameters", {})
+    options = {k: v for k, v in saved.items() if k in DATA_OPTIONS}
+    options.update({k: v for k, v in overrides.items() if v is not None})
+    data = ByteDataModule(seq_len=module.config.seq_len, **options)
+    if data.tokenizer != module.tokenizer:
+        raise ValueError(
+            f"The checkpoint {ckpt_path} was trained on tokens of {module.tokenizer.describe()}, "
+            f"but its data would now be tokenized with {data.tokenizer.describe()}; give the "
+            "source and cache_dir it was trained with."
+        )
+    data.prepare_data()
+    return data
+
+
+def first_batches(loader: Iterable, n: int) -> list[Tensor]:
+    """The first `n` batches of `loader` (fewer if it has fewer), as token ids."""
+    out = []
+    for batch in loader:
+        out.append(batch.long())
+        if len(out) == n:
+            break
+    if not out:
+        raise ValueError("The data module returned no batches; check the data options.")
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, batches: list[Tensor], token_bytes: Tensor | None = None) -> dict:
+    """Mean loss, bits per byte, MoD rate, executed forward FLOPs per token and the routers' mean
+    `predictor_agreement` (None when no router reports one) over `batches`. `token_bytes` (the
+    bytes each id stands for, `NAGLanguageModel.token_bytes`) turns the loss into bits per byte;
+    None: one byte per token."""
+    device = next(model.parameters()).device
+    nll = tokens = n_bytes = skipped = flops = 0.0
+    agreement: list[float] = []
+    for batch in batches:
+        batch = batch.to(device)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = model(inputs).logits
+        nll += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").item()
+        n_bytes += targets.numel() if token_bytes is None else token_bytes.to(device)[targets].sum().item()
+        count = count_model(model, inputs.shape[1])
+        tokens += count.tokens
+        skipped += count.mod_rate * count.tokens  # every batch has one rate over its own tokens
+        flops += count.forward
+        if all(s.oracle_tau is None for s in model.sublayers):  # the oracle asks no router
+            agreement += [value for s in model.sublayers if s.routed
+                          and (value := s.router.stats().get("predictor_agreement")) is not None]
+    return {
+        "val_loss": nll / tokens,
+        "bpb": nll / n_bytes / math.log(2),
+        "mod_rate": skipped / tokens,
+        "flops_per_token": flops / tokens,
+        "predictor_agreement": sum(agreement) / len(agreement) if agreement else None,
+    }
