@@ -49,6 +49,13 @@ from nag_lightning.routers import build_router
 TRAINING_MULTIPLIER = 3  # forward + backward (two matrix products per forward one)
 
 
+def mod_rate(executed: float, tokens: float, n_sublayers: int) -> float:
+    """The MoD rate (DESIGN section 4): skipped (token, sublayer) executions over all of them, of
+    the whole model, from the `executed` (token, sublayer) pairs of `tokens` tokens. Routing half
+    the sublayers at 25% each is a 12.5% MoD rate."""
+    return 1.0 - executed / max(tokens * n_sublayers, 1)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Per-sublayer constants and the one formula both the breakdown and the training callback use
 # ---------------------------------------------------------------------------------------------------
@@ -81,8 +88,7 @@ def _kinds(cfg: TransformerConfig) -> list[str]:
 def router_flops_per_token(cfg: TransformerConfig, training: bool = True) -> list[int]:
     """What each sublayer's router spends per scored token in training (or evaluation), asked of
     a router built from `cfg`."""
-    routed = cfg.routed_layers()
-    is_routed = [i // 2 in routed and kind in cfg.route_kinds for i, kind in enumerate(_kinds(cfg))]
+    is_routed = [cfg.is_routed(i) for i in range(cfg.n_sublayers)]
     if not any(is_routed):
         return [0] * len(is_routed)
     router = build_router(cfg.router, cfg.d_model, **cfg.router_options).train(training)
@@ -217,7 +223,12 @@ class FlopCount:
     @property
     def mod_rate(self) -> float:
         """Fraction of (token, sublayer) executions skipped."""
-        return 1 - sum(s.executed for s in self.sublayers) / (self.tokens * len(self.sublayers))
+        return mod_rate(sum(s.executed for s in self.sublayers), self.tokens, len(self.sublayers))
+
+    @property
+    def executed_param_fraction(self) -> float:
+        """Layer weights one token meets on average over all layer weights."""
+        return self.executed_params / (self.tokens * self.layer_params)
 
     @property
     def attention_useful(self) -> int:
@@ -413,6 +424,6 @@ def flop_counter_mode(**kwargs: Any):
 __all__ = [
     "FlopCount", "FlopCounter", "StepFlops", "SublayerFlops", "TRAINING_MULTIPLIER",
     "TransformerFlopCounter", "count_flops", "count_model", "executed_counts", "flop_counter_mode",
-    "full_depth_forward_flops", "head_flops_per_token", "mlp_hidden", "reference_training_flops",
+    "full_depth_forward_flops", "head_flops_per_token", "mlp_hidden", "mod_rate", "reference_training_flops",
     "router_flops_per_token", "sublayer_params",
 ]

@@ -2,7 +2,8 @@
 
 Every `Sublayer` keeps `executed_per_seq` (B,) after a forward; every router keeps its auxiliary loss
 and `stats()`. `routing_stats` turns them into the numbers DESIGN section 4 asks each router to
-report; the executed FLOPs are `nag_lightning.flops`' to count.
+report. The counting itself is `nag_lightning.flops`' (`count_model`: executed pairs, the MoD rate,
+executed weights), so training logs, the sweep and the FLOP accounting read one definition:
 
     MoD rate = skipped (token, sublayer) executions / (tokens x sublayers of the WHOLE model)
 
@@ -13,17 +14,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
 from torch import nn
+
+from nag_lightning.flops import count_model
 
 
 def sublayer_label(sublayer: nn.Module) -> str:
     """'{block}_{kind}', e.g. '3_attn', the name sublayers are logged under."""
     return f"{sublayer.index // 2}_{sublayer.kind}"
-
-
-def is_routed(sublayer: nn.Module) -> bool:
-    return getattr(sublayer.router, "registry_name", None) != "none"
 
 
 def routing_stats(model: nn.Module, seq_len: int, per_sublayer: bool = True) -> dict[str, float]:
@@ -39,28 +37,24 @@ def routing_stats(model: nn.Module, seq_len: int, per_sublayer: bool = True) -> 
     sublayers = model.sublayers
     if any(s.executed_per_seq is None for s in sublayers):
         raise ValueError("routing_stats needs a forward pass of the model first.")
-    batch = sublayers[0].executed_per_seq.numel()
-    tokens = batch * seq_len
-    executed = torch.stack([s.executed_per_seq.sum() for s in sublayers]).double().cpu()
-    params = torch.tensor([sum(p.numel() for p in s.compute.parameters()) for s in sublayers],
-                          dtype=torch.float64)
+    count = count_model(model, seq_len)
     stats: dict[str, float] = {
-        "mod_rate": 1.0 - executed.sum().item() / (tokens * len(sublayers)),
-        "executed_tokens": executed.sum().item(),
-        "kv_entries": sum(e.item() for e, s in zip(executed, sublayers) if s.kind == "attn"),
-        "executed_param_fraction": (executed / tokens * params).sum().item() / params.sum().item(),
-        "aux_loss": sum(float(s.router.aux_loss.detach()) for s in sublayers if is_routed(s)),
+        "mod_rate": count.mod_rate,
+        "executed_tokens": float(sum(s.executed for s in count.sublayers)),
+        "kv_entries": float(sum(s.executed for s in count.sublayers if s.kind == "attn")),
+        "executed_param_fraction": count.executed_param_fraction,
+        "aux_loss": sum(float(s.router.aux_loss.detach()) for s in sublayers if s.routed),
     }
     pooled: dict[str, list[float]] = defaultdict(list)
-    for e, s in zip(executed, sublayers):
-        if not is_routed(s):
+    for counted, s in zip(count.sublayers, sublayers):
+        if not s.routed:
             continue
         label = sublayer_label(s)
         router_stats = s.router.stats()
         for key, value in router_stats.items():
             pooled[key].append(value)
         if per_sublayer:
-            stats[f"mod_rate/{label}"] = 1.0 - e.item() / tokens
+            stats[f"mod_rate/{label}"] = 1.0 - counted.executed / count.tokens
             stats.update({f"{key}/{label}": value for key, value in router_stats.items()})
     stats.update({key: sum(values) / len(values) for key, values in pooled.items()})
     return stats

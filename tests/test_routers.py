@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from nag_lightning import RESIDUALS, ROUTERS, Transformer, TransformerConfig
-from nag_lightning.analysis.routing_stats import routing_stats
+from nag_lightning.routing_stats import routing_stats
 from nag_lightning.routers.threshold import ThresholdRouter
 from nag_lightning.routers.topk import TopKRouter
 

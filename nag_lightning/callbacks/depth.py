@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from nag_lightning.plotting import pyplot, save
+from nag_lightning.routing_stats import sublayer_label
 
 QUANTILES = (0.1, 0.5, 0.9)
 
@@ -56,7 +57,7 @@ class DepthDiagnostics(L.Callback):
         entry.update({f"q{q}": [] for q in QUANTILES})
         for i, sublayer in enumerate(pl_module.model.sublayers):
             angles = torch.cat(self._angles[i]).float()
-            label = f"{i // 2}_{sublayer.kind}"
+            label = sublayer_label(sublayer)
             entry["labels"].append(label)
             entry["mean"].append(angles.mean().item())
             entry["norm"].append(torch.stack(self._norms[i]).mean().item())

@@ -15,7 +15,7 @@ from collections import defaultdict
 import lightning as L
 import torch
 
-from nag_lightning.analysis.routing_stats import routing_stats
+from nag_lightning.routing_stats import routing_stats
 
 
 def _seq_len(batch: torch.Tensor) -> int:
