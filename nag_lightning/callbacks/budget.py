@@ -3,8 +3,10 @@
 DESIGN section 5, the tool of iso-FLOP comparisons: every run spends the same compute, and a routed
 (MoD) model that executes fewer FLOPs per token trains on more tokens. The total is
 `FlopAccounting`'s (3 x forward, all ranks, real executed counts), so the budget needs that
-callback in the same Trainer. Both keep their state in checkpoints: a resumed run spends only the
-remainder and stops at the same step as an uninterrupted one.
+callback in the same Trainer, listed before it: the budget reads the accounting's totals after each
+training batch, once the accounting has counted it (the accounting knows nothing of the budget).
+Both keep their state in checkpoints: a resumed run spends only the remainder and stops at the same
+step as an uninterrupted one.
 
 The budget is a number of FLOPs, or a number of tokens of a reference: "what the full-depth,
 unrouted baseline of this model's config spends on N tokens" (`reference_tokens`), which gives runs
@@ -23,6 +25,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from nag_lightning.callbacks.flops import FlopAccounting, find_accounting
+from nag_lightning.flops import TRAINING_MULTIPLIER
 
 
 class FlopBudget(L.Callback):
@@ -72,8 +75,13 @@ class FlopBudget(L.Callback):
                 "FlopBudget counts with FlopAccounting: add "
                 "nag_lightning.callbacks.FlopAccounting to trainer.callbacks as well."
             )
-        accounting.add_listener(self._after_step)
+        if trainer.callbacks.index(self) < trainer.callbacks.index(accounting):
+            raise ValueError(
+                "FlopBudget reads the training FLOPs FlopAccounting has counted after each step, so "
+                "it must come after FlopAccounting in trainer.callbacks; move it below."
+            )
         self._accounting = accounting
+        self._counted_steps = accounting.steps
         self.stopped_at = self.spent = None
         self._saved_budget = None
         if self.reference_tokens is not None:
@@ -84,7 +92,7 @@ class FlopBudget(L.Callback):
                     f"{type(counter).__name__} cannot say what the full-depth baseline spends per "
                     "token; give the budget in FLOPs (budget=...) instead of reference_tokens."
                 )
-            self.budget = float(3 * per_token() * self.reference_tokens)
+            self.budget = float(TRAINING_MULTIPLIER * per_token() * self.reference_tokens)
             rank_zero_info(
                 f"FlopBudget: {self.budget:.4g} training FLOPs, what the full-depth baseline "
                 f"spends on {self.reference_tokens} tokens."
@@ -97,7 +105,8 @@ class FlopBudget(L.Callback):
                 f"FLOPs; this run continues toward {self.budget:.6g}."
             )
         self.stopped_at = self.spent = None
-        spent = find_accounting(trainer).training_flops
+        self._counted_steps = self._accounting.steps  # a resumed run's, restored by now
+        spent = self._accounting.training_flops
         if spent >= self.budget:
             rank_zero_info(
                 f"FlopBudget: {spent:.6g} of {self.budget:.6g} training FLOPs were already spent; "
@@ -105,7 +114,11 @@ class FlopBudget(L.Callback):
             )
             self._stop(trainer, spent)
 
-    def _after_step(self, trainer: L.Trainer, accounting: FlopAccounting) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        accounting = self._accounting
+        if accounting.steps == self._counted_steps:
+            return  # accumulating gradients: no optimizer step was counted
+        self._counted_steps = accounting.steps
         total, step = accounting.training_flops, accounting.last["step"]
         if total == step and step > self.budget:  # the run's very first step overshoots
             raise ValueError(

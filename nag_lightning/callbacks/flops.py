@@ -13,8 +13,9 @@ passes did (`nag_lightning.flops.StepFlops`), sums that over all ranks with one 
 
 Which model: a LightningModule that defines `flop_counter(self) -> FlopCounter` is asked through
 it; otherwise `pl_module.model` must be a `nag_lightning.model.Transformer`, counted by
-`TransformerFlopCounter`. Other callbacks (the FLOP budget) subscribe with `add_listener` and run
-after each counted step, before the numbers are logged.
+`TransformerFlopCounter`. Other callbacks (the FLOP budget) read the totals after it, in their own
+hooks: this one knows none of them. Scripts and tests that watch every counted step subscribe with
+`add_listener`.
 
 Rates: `Throughput` keeps a window of `window_size` steps and reports rates once it is full. MFU needs
 the device's peak FLOPs; Lightning knows them for common GPUs. Elsewhere (CPU) give `peak_flops`;
