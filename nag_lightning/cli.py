@@ -265,30 +265,48 @@ def flags_named(names: Iterable[str], section: str = "data"):
         raise type(error)(text) from None
 
 
+def summary(function: Callable) -> str:
+    """A function's docstring without its Args section, which a parser's option list shows."""
+    return (function.__doc__ or "").split("Args:")[0].strip()
+
+
+def function_parser(function: Callable, prog: str, description: str | None = None,
+                    skip: Iterable[str] = ()):
+    """The parser of a command whose options are `function`'s typed arguments, each with the help
+    its docstring gives it, under `description` (default: the docstring above its Args)."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog=prog, description=summary(function) if description is None else description)
+    parser.add_function_arguments(function, skip=set(skip))
+    return parser
+
+
 def prepare_command(args: list[str]) -> None:
     """`nag-lightning prepare`: tokenize a corpus into litdata chunks ahead of training."""
     import inspect
 
-    from jsonargparse import ArgumentParser
-
     from nag_lightning.data import prepare_corpus
 
-    parser = ArgumentParser(prog="nag-lightning prepare", description=prepare_command.__doc__)
-    parser.add_function_arguments(prepare_corpus)
+    parser = function_parser(prepare_corpus, "nag-lightning prepare", prepare_command.__doc__)
     cfg = parser.parse_args(args)
     with flags_named(inspect.signature(prepare_corpus).parameters):
         path = prepare_corpus(**cfg.as_dict())
     print(f"prepared {path}")
 
 
-# Commands around training: name -> "module:function" taking the remaining arguments, imported only
-# when used so `fit` does not pay for plotting or analysis imports.
-COMMANDS: dict[str, str] = {
+# Commands around training, imported only when used so `fit` does not pay for plotting or analysis
+# imports: name -> "module:function" taking the remaining arguments, or a table of subcommands
+# (`nag-lightning study depth ...`), each a function whose typed arguments are its options.
+COMMANDS: dict[str, str | dict[str, str]] = {
     "prepare": "nag_lightning.cli:prepare_command",
     "compare": "nag_lightning.analysis.compare:compare_command",
     "sweep": "nag_lightning.analysis.sweep:sweep_command",
     "generate": "nag_lightning.analysis.generate:generate_command",
-    "study": "nag_lightning.analysis.study:study_command",
+    "study": {
+        "depth": "nag_lightning.analysis.depth_study:depth_study",
+        "isoflop": "nag_lightning.analysis.isoflop_study:isoflop_study",
+        "tradeoff": "nag_lightning.analysis.tradeoff_study:tradeoff_study",
+    },
 }
 
 
@@ -321,17 +339,37 @@ def top_level_help() -> str:
     )
 
 
-def _load_command(name: str) -> Callable[[list[str]], None]:
-    module, _, function = COMMANDS[name].partition(":")
+def _load(target: str) -> Callable:
+    module, _, function = target.partition(":")
     return getattr(importlib.import_module(module), function)
+
+
+def run_subcommand(command: str, args: list[str]) -> None:
+    """`nag-lightning COMMAND NAME [options]` for a command with a table of subcommands."""
+    table = COMMANDS[command]
+    if args and args[0] in ("-h", "--help"):
+        print(f"usage: nag-lightning {command} {{{','.join(table)}}} [options]   (each takes --help)\n")
+        for name, target in table.items():
+            print(f"  {name:<10} {summary(_load(target)).splitlines()[0]}")
+        return
+    if not args or args[0] not in table:
+        raise ValueError(
+            f"Name the {command} to run, one of {', '.join(table)}: e.g. "
+            f"`nag-lightning {command} {next(iter(table))} --help`."
+        )
+    function = _load(table[args[0]])
+    options = function_parser(function, f"nag-lightning {command} {args[0]}").parse_args(args[1:])
+    function(**options.as_dict())
 
 
 def main(argv: list[str] | None = None) -> None:
     from_shell = argv is None
     argv = sys.argv[1:] if from_shell else argv
     try:
-        if argv and argv[0] in COMMANDS:
-            _load_command(argv[0])(argv[1:])
+        if argv and isinstance(COMMANDS.get(argv[0]), dict):
+            run_subcommand(argv[0], argv[1:])
+        elif argv and argv[0] in COMMANDS:
+            _load(COMMANDS[argv[0]])(argv[1:])
         elif not argv or argv[0] in ("-h", "--help"):
             print(top_level_help(), end="")
             if not argv:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from nag_lightning.analysis import study
-from nag_lightning.analysis.study import depth_study, fit_run, plot_norm_growth
+from nag_lightning.analysis import depth_study as depth, study
+from nag_lightning.analysis.depth_study import depth_study, plot_norm_growth
+from nag_lightning.analysis.study import fit_run
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
 
@@ -127,7 +128,7 @@ def test_cost_at_rate_interpolates_over_the_full_depth_bpb():
 
 
 def test_paired_gains_match_runs_of_the_same_depth_and_seed():
-    from nag_lightning.analysis.study import paired_gains
+    from nag_lightning.analysis.depth_study import paired_gains
 
     results = [{"residual": r, "depth": d, "seed": s, "val_bpb": v} for r, d, s, v in (
         ("prenorm", 4, 1, 3.0), ("nag", 4, 1, 2.9), ("prenorm", 4, 2, 3.2), ("nag", 4, 2, 3.3),
@@ -186,7 +187,7 @@ def test_the_nag_gain_is_stated_against_the_best_other_strategy(tmp_path, monkey
         assert row["best_other"] == "lns"
         assert abs(row["nag_gain"] - (-0.1)) < 1e-9 and abs(row["nag_gain_prenorm"] - 0.2) < 1e-9
         assert row["ngpt_angle_q10_q90"] is None  # no diagnostics without a real run
-    gains = study.paired_gains(study.choose([
+    gains = depth.paired_gains(depth.choose([
         {"residual": r, "depth": 4, "seed": s, "val_bpb": v + 0.01 * s}
         for r, v in bpb.items() for s in (1, 2)]))
     assert [round(g, 6) for _, g in gains] == [-0.1, -0.1]

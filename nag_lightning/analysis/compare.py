@@ -192,7 +192,12 @@ def plot(rows: list[RunSummary], path: Path) -> Path:
 
 
 def compare(runs: list[str | Path], out: str | Path = "runs/compare") -> list[RunSummary]:
-    """Summarise `runs`, write compare.csv, compare.md and compare.png into `out`, return the rows."""
+    """Summarise `runs`, write compare.csv, compare.md and compare.png into `out`, return the rows.
+
+    Args:
+        runs: run folders (with metrics.csv) or folders above them.
+        out: folder for compare.csv/.md/.png.
+    """
     run_dirs = find_runs(runs)
     rows = [summarize(d, _label(d, run_dirs)) for d in run_dirs]
     out = Path(out)
@@ -209,11 +214,10 @@ def compare(runs: list[str | Path], out: str | Path = "runs/compare") -> list[Ru
 def compare_command(args: list[str]) -> None:
     """`nag-lightning compare RUN [RUN ...] [--out DIR]`: a table of finished runs at their training
     FLOPs (printed, and written as CSV and markdown) and a plot of val bits per byte against them."""
-    from jsonargparse import ArgumentParser
+    from nag_lightning.cli import function_parser
 
-    parser = ArgumentParser(prog="nag-lightning compare", description=compare_command.__doc__)
+    parser = function_parser(compare, "nag-lightning compare", compare_command.__doc__, skip=("runs",))
     parser.add_argument("runs", nargs="+", help="run folders (with metrics.csv) or folders above them")
-    parser.add_argument("--out", default="runs/compare", help="folder for compare.csv/.md/.png")
     cfg = parser.parse_args(args)
     rows = compare(cfg.runs, cfg.out)
     print(markdown_table(rows), end="")
