@@ -3,8 +3,8 @@
 DESIGN section 5, the tool of iso-FLOP comparisons: every run spends the same compute, and a routed
 (MoD) model that executes fewer FLOPs per token trains on more tokens. The total is
 `FlopAccounting`'s (3 x forward, all ranks, real executed counts), so the budget needs that
-callback in the same Trainer, listed before it: the budget reads the accounting's totals after each
-training batch, once the accounting has counted it (the accounting knows nothing of the budget).
+callback in the same Trainer: the budget reads the accounting's totals after each training batch,
+once the accounting has counted it (the accounting knows nothing of the budget).
 Both keep their state in checkpoints: a resumed run spends only the remainder and stops at the same
 step as an uninterrupted one.
 
@@ -75,11 +75,6 @@ class FlopBudget(L.Callback):
                 "FlopBudget counts with FlopAccounting: add "
                 "nag_lightning.callbacks.FlopAccounting to trainer.callbacks as well."
             )
-        if trainer.callbacks.index(self) < trainer.callbacks.index(accounting):
-            raise ValueError(
-                "FlopBudget reads the training FLOPs FlopAccounting has counted after each step, so "
-                "it must come after FlopAccounting in trainer.callbacks; move it below."
-            )
         self._accounting = accounting
         self._counted_steps = accounting.steps
         self.stopped_at = self.spent = None
@@ -116,6 +111,7 @@ class FlopBudget(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         accounting = self._accounting
+        accounting.count(trainer, pl_module, batch_idx)  # if it has not yet: callbacks run in list order
         if accounting.steps == self._counted_steps:
             return  # accumulating gradients: no optimizer step was counted
         self._counted_steps = accounting.steps

@@ -13,9 +13,9 @@ passes did (`nag_lightning.flops.StepFlops`), sums that over all ranks with one 
 
 Which model: a LightningModule that defines `flop_counter(self) -> FlopCounter` is asked through
 it; otherwise `pl_module.model` must be a `nag_lightning.model.Transformer`, counted by
-`TransformerFlopCounter`. Other callbacks (the FLOP budget) read the totals after it, in their own
-hooks: this one knows none of them. Scripts and tests that watch every counted step subscribe with
-`add_listener`.
+`TransformerFlopCounter`. Other callbacks (the FLOP budget) read the totals in their own hooks,
+after asking it to `count` the batch (which it does once, whichever hook runs first); this one
+knows none of them. Scripts and tests that watch every counted step subscribe with `add_listener`.
 
 Rates: `Throughput` keeps a window of `window_size` steps and reports rates once it is full. MFU needs
 the device's peak FLOPs; Lightning knows them for common GPUs. Elsewhere (CPU) give `peak_flops`;
@@ -89,6 +89,7 @@ class FlopAccounting(L.Callback):
         self.local_forward_flops = 0
         self.last: dict[str, float] = {}  # the last counted step, all ranks
         self._pending: torch.Tensor | None = None
+        self._counted: tuple[int, int] | None = None  # (epoch, batch index) last counted
         self._last_logged = -1
 
     @property
@@ -140,6 +141,14 @@ class FlopAccounting(L.Callback):
         self._clock = time.perf_counter()  # validation time is not training time
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.count(trainer, pl_module, batch_idx)
+
+    def count(self, trainer: L.Trainer, pl_module: L.LightningModule, batch_idx: int) -> None:
+        """Count the training batch that just ended, once however often it is asked: a callback
+        that reads the totals in the same hook (the FLOP budget) asks first when it runs first."""
+        if self._counted == (trainer.current_epoch, batch_idx):
+            return
+        self._counted = (trainer.current_epoch, batch_idx)
         step = self.counter.step()
         values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=pl_module.device)
                               for v in step])
