@@ -30,10 +30,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget
+from nag_lightning.model import TransformerConfig
 from nag_lightning.module import NAGLanguageModel
 
 # The model and batch of recipes/isoflop/: d 64, 4 layers, 128 bytes, batch 8.
-MODEL = dict(d_model=64, n_layers=4, n_heads=4, seq_len=128, warmup_steps=5)
+MODEL = dict(d_model=64, n_layers=4, n_heads=4, seq_len=128)
 BATCH = 8
 ROUTERS = {"none": {}, "topk": {"capacity": 0.75}}
 
@@ -75,7 +76,8 @@ def measure(router: str, steps: int, warmup: int, control: bool = False) -> dict
     # the machine or the loop lines up with them.
     on = set(random.Random(0).sample(range(steps + 1), (steps + 1) // 2))
     torch.manual_seed(0)
-    module = NAGLanguageModel(**MODEL, router=router, router_options=ROUTERS[router])
+    arch = TransformerConfig(**MODEL, router=router, router_options=ROUTERS[router])
+    module = NAGLanguageModel(arch, warmup_steps=5)
     data = torch.randint(0, 256, (BATCH * (steps + 1), MODEL["seq_len"] + 1))
     timer, spent = StepTimer(), {}
     accounting = SwitchedAccounting(on, spent, control)

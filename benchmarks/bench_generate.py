@@ -30,11 +30,10 @@ from pathlib import Path
 
 import torch
 
+from nag_lightning.analysis.evaluation import load_checkpoint
 from nag_lightning.analysis.generate import generate_tokens
-from nag_lightning.analysis.sweep import load_checkpoint, set_tau
 from nag_lightning.inference import CachedDecoder, generate_cached
 from nag_lightning.model import Transformer, TransformerConfig
-from nag_lightning.routers.threshold import ThresholdRouter
 
 PROMPT = list(b"def main(argv=None):\n    ")
 
@@ -82,10 +81,8 @@ def stdlib_texts(n: int, length: int) -> list[list[int]]:
 
 
 def mod_at_generation(args: argparse.Namespace) -> None:
-    from nag_lightning.module import NAGLanguageModel
-
-    model: Transformer = load_checkpoint(NAGLanguageModel, args.ckpt_path, "cpu").model.eval()
-    routers = [s.router for s in model.sublayers if isinstance(s.router, ThresholdRouter)]
+    model: Transformer = load_checkpoint(args.ckpt_path, "cpu").model.eval()
+    routers = [s.router for s in model.sublayers if s.routed and type(s.router).sweep_setting == "tau"]
     if not routers:
         raise SystemExit("Part 2 needs a checkpoint trained with the threshold router.")
     trained = {r: float(r.tau) if args.tau is None else args.tau for r in routers}
@@ -94,7 +91,7 @@ def mod_at_generation(args: argparse.Namespace) -> None:
     texts = stdlib_texts(args.texts, prompt + n)
     label = "threshold (trained tau)" if args.tau is None else f"threshold (tau = {args.tau})"
     settings = {label: lambda: [r.tau.fill_(t) for r, t in trained.items()],
-                "routing off (tau = 0)": lambda: set_tau(model, 0.0)}
+                "routing off (tau = 0)": lambda: [r.tau.fill_(0.0) for r in routers]}
     per_byte: dict[str, list[float]] = {name: [] for name in settings}
     rate: dict[str, list[float]] = {name: [] for name in settings}
     cache: dict[str, list[dict]] = {name: [] for name in settings}

@@ -2,8 +2,8 @@
 angle"). Plugins outside the package, named by dotted path, e.g.
 
     PYTHONPATH=experiments OMP_NUM_THREADS=1 nag-lightning fit --config recipes/study/depth.yaml \
-        --model.n_layers=8 --seed_everything=1 --model.init_std=0.125 --model.lr=1.2e-2 \
-        --model.residual=nag_angle_variants.GatedNAG
+        --model.arch.n_layers=8 --seed_everything=1 --model.arch.init_std=0.125 --model.lr=1.2e-2 \
+        --model.arch.residual=nag_angle_variants.GatedNAG
 
 - `GatedNAG`: the angle is a learned per-token gate, theta = theta_max * sigmoid(sqrt(d) <w_l, u> + b_l)
   (times the router's g), and the sublayer only supplies the direction f_perp / |f_perp|. The angle

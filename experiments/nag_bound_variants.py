@@ -3,8 +3,8 @@ numbers there can be rerun. They are plugins outside the package, named by dotte
 
     PYTHONPATH=experiments OMP_NUM_THREADS=1 nag-lightning study depth --depths '[16]' --seeds '[1]' \
         --residuals '[nag]' --out runs/probe/atan \
-        --extra '["--model.residual=nag_bound_variants.AtanBoundNAG",
-                  "--model.residual_options={theta_max: 0.125, norm_lane_readout: true}"]'
+        --extra '["--model.arch.residual=nag_bound_variants.AtanBoundNAG",
+                  "--model.arch.residual_options={theta_max: 0.125, norm_lane_readout: true}"]'
 
 - `AtanBoundNAG`: theta = theta_max * (2/pi) * atan((pi/2) x / theta_max). Slope 1 at 0 like
   tanh, but its gradient decays like 1/x^2 instead of exponentially. It tied with tanh; the

@@ -9,9 +9,8 @@ refused unless the user trusts the checkpoint (a class path would import any mod
 
 from __future__ import annotations
 
-from dataclasses import fields
-
-from nag_lightning.model import SUBLAYER_KINDS, Transformer, TransformerConfig
+from nag_lightning.model import Transformer, TransformerConfig
+from nag_lightning.saved_settings import saved_architecture
 from nag_lightning.tokenizer import Tokenizer, load_saved
 from nag_lightning.trust import check_plugins, read_checkpoint
 
@@ -37,12 +36,7 @@ def load_transformer_and_tokenizer(
             f"{ckpt_path} is not a checkpoint of `nag-lightning fit` (no hyper_parameters or "
             "state_dict); give a .ckpt file from a run's checkpoints/ folder."
         )
-    names = {f.name for f in fields(TransformerConfig)}
-    options = {k: v for k, v in saved.items() if k in names}
-    for key in ("residual_options", "router_options"):
-        options[key] = dict(options.get(key) or {})
-    options["route_kinds"] = list(options.get("route_kinds") or SUBLAYER_KINDS)
-    model = Transformer(TransformerConfig(**options))
+    model = Transformer(TransformerConfig(**saved_architecture(saved)))
     prefix = "model."
     weights = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     model.load_state_dict(weights)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from nag_lightning.runs import RunFolder
 
 CHECKPOINT_ALIASES = ("last", "best", "hpc", "registry")
-VOCAB_OPTION = "--model.vocab_size"
+VOCAB_OPTION = "--model.arch.vocab_size"
 
 
 class NagCLI:
@@ -41,10 +41,10 @@ class NagCLI:
         from nag_lightning.callbacks import DepthDiagnostics, RunCheckpoint
         from nag_lightning.trust import TRUST_HELP
 
-        parser.link_arguments("model.seq_len", "data.seq_len")
+        parser.link_arguments("model.arch.seq_len", "data.seq_len")
         # The vocabulary follows the tokenizer, known once the data module exists (a BPE is
         # trained then), so the link applies at instantiation.
-        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.link_arguments("data.vocab_size", "model.arch.vocab_size", apply_on="instantiate")
         parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.monitor": "val/bpb",
                              "checkpoint.filename": "step{step}-bpb{val/bpb:.4f}",
@@ -63,13 +63,15 @@ class NagCLI:
                                              subcommand)
 
     def _parse_setting_vocab_aside(self, parser: LightningArgumentParser, args) -> None:
-        """LightningCLI's parsing, with a `--model.vocab_size` on the command line set aside (the
-        link from data.tokenizer owns that setting) to be checked against the tokenizer."""
+        """LightningCLI's parsing, with a `--model.arch.vocab_size` on the command line set aside
+        (the link from data.tokenizer owns that setting) to be checked against the tokenizer; a
+        config in the layout before `model.arch` is refused with one sentence saying how to map it."""
         from jsonargparse import Namespace
 
         self._typed_vocab_size = None
         if isinstance(args, (dict, Namespace)):
             return super().parse_arguments(parser, args)
+        refuse_older_layout(list(sys.argv[1:] if args is None else args))
         argv, typed = _without_option(list(sys.argv[1:] if args is None else args), VOCAB_OPTION)
         if typed is None:
             return super().parse_arguments(parser, args)
@@ -77,7 +79,7 @@ class NagCLI:
             self._typed_vocab_size = int(typed)
         except ValueError:
             raise ValueError(
-                f"model.vocab_size={typed!r} is not a number of token ids; leave it out: it follows "
+                f"model.arch.vocab_size={typed!r} is not a number of token ids; leave it out: it follows "
                 "data.tokenizer."
             ) from None
         self.config = parser.parse_args(argv)
@@ -88,7 +90,8 @@ class NagCLI:
         config = self.config[self.subcommand] if self.subcommand else self.config
         typed = self._typed_vocab_size
         if typed is None:
-            typed = config.model.get("vocab_size")  # from a config file: the link replaces it
+            # from a config file: the link replaces it
+            typed = (config.model.get("arch") or {}).get("vocab_size")
         try:
             super().instantiate_classes()
         except BaseException:
@@ -100,8 +103,8 @@ class NagCLI:
         needed = getattr(self.datamodule, "vocab_size", None)
         if typed is not None and needed is not None and typed != needed:
             raise ValueError(
-                f"model.vocab_size={typed} does not match the {needed} token ids of "
-                f"data.tokenizer={self.datamodule.tokenizer.spec!r}; leave model.vocab_size out: it "
+                f"model.arch.vocab_size={typed} does not match the {needed} token ids of "
+                f"data.tokenizer={self.datamodule.tokenizer.spec!r}; leave model.arch.vocab_size out: it "
                 "follows data.tokenizer."
             )
 
@@ -121,6 +124,7 @@ class NagCLI:
         sentence if it is missing or unreadable, names code outside the registries, or, for `fit`,
         has another architecture; then take its model settings, as LightningCLI does, saying
         which of this run's settings they replace."""
+        from nag_lightning.saved_settings import check_architecture, saved_model_settings
         from nag_lightning.trust import check_plugins, read_checkpoint
 
         subcommand = self.config.get("subcommand")
@@ -140,13 +144,13 @@ class NagCLI:
         checkpoint = read_checkpoint(ckpt_path)
         model_config = config.model.as_dict()
         check_plugins(checkpoint, ckpt_path, config.get("trust_checkpoint"), model_config)
-        saved = dict(checkpoint.get("hyper_parameters") or {})
+        saved = saved_model_settings(checkpoint.get("hyper_parameters") or {})
         if subcommand == "fit":
-            check_architecture(ckpt_path, model_config, saved)
+            check_architecture(saved, model_config.get("arch") or {}, ckpt_path)
         saved.pop("_instantiator", None)
         saved.pop("_class_path", None)  # the model class is fixed: NAGLanguageModel
         # set by the link from data.tokenizer; the model checks the checkpoint's tokenizer on load
-        saved.pop("vocab_size", None)
+        saved.get("arch", {}).pop("vocab_size", None)
         replaced = replaced_settings(saved, model_config)
         if replaced:
             advice = ("; to train with other settings, start a new run without ckpt_path"
@@ -172,30 +176,47 @@ def _without_option(argv: list[str], option: str) -> tuple[list[str], str | None
     return kept, value
 
 
-def check_architecture(ckpt_path: str, model_config: dict, saved: dict | None = None) -> None:
-    """Raise one sentence if the checkpoint's architecture differs from `model_config`."""
-    from nag_lightning.module import architecture_differences
-    from nag_lightning.trust import read_checkpoint
+def refuse_older_layout(argv: list[str]) -> None:
+    """One sentence, instead of the parser's list of unknown keys, for a config file or option
+    written before the architecture moved under `model.arch` (`nag_lightning.saved_settings`)."""
+    import yaml
 
-    if saved is None:
-        saved = read_checkpoint(ckpt_path).get("hyper_parameters", {})
-    differences = architecture_differences(saved, model_config)
-    if differences:
-        raise ValueError(
-            f"The checkpoint {ckpt_path} was trained with a different architecture: "
-            + ", ".join(differences)
-            + "; resume with the same model settings (e.g. the run's config.yaml) or start a new "
-            "run without ckpt_path."
-        )
+    from nag_lightning.saved_settings import legacy_layout_sentence, legacy_settings
+
+    options = [a.split("=", 1)[0][len("--model."):] for a in argv if a.startswith("--model.")]
+    keys = legacy_settings(options)
+    if keys:
+        raise ValueError(legacy_layout_sentence("The command line", keys))
+    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    files += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in files:
+        try:
+            with open(path) as handle:
+                config = yaml.safe_load(handle)
+        except (OSError, yaml.YAMLError):
+            continue  # the parser says what is wrong with it
+        if not isinstance(config, dict):
+            continue
+        # the model section at the top, or under a subcommand (`--config` before `fit`)
+        for section in [config, *(v for v in config.values() if isinstance(v, dict))]:
+            model = section.get("model")
+            keys = legacy_settings(model) if isinstance(model, dict) else []
+            if keys:
+                raise ValueError(legacy_layout_sentence(f"The config {path}", keys))
 
 
-def replaced_settings(saved: dict, model_config: dict) -> list[str]:
-    """`name=saved (not current)` for every model setting the checkpoint saved a different value of."""
-    return [
-        f"model.{name}={value!r} (not {model_config.get(name)!r})"
-        for name, value in saved.items()
-        if name in model_config and _plain(value) != _plain(model_config[name])
-    ]
+def replaced_settings(saved: dict, model_config: dict, prefix: str = "model.") -> list[str]:
+    """`name=saved (not current)` for every model setting the checkpoint saved a different value of
+    (the architecture's settings one by one)."""
+    replaced = []
+    for name, value in saved.items():
+        if name not in model_config:
+            continue
+        if isinstance(value, dict) and isinstance(model_config[name], dict) and name == "arch":
+            replaced += replaced_settings(value, model_config[name], f"{prefix}{name}.")
+        elif _plain(value) != _plain(model_config[name]):
+            replaced.append(f"{prefix}{name}={value!r} (not {model_config[name]!r})")
+    return replaced
 
 
 def _plain(value: object) -> object:

@@ -630,7 +630,7 @@ class ByteDataModule(L.LightningDataModule):
             tokenizer: "bytes" (one token per byte, vocab 256); "bpe:<vocab size>", a byte-level
                 BPE trained here on the training split (at most 64 MiB of it, evenly spaced files)
                 and cached under cache_dir/tokenizers; or the path of a Hugging Face tokenizer.json.
-                model.vocab_size follows it.
+                model.arch.vocab_size follows it.
         """
         super().__init__()
         if seq_len < 2:

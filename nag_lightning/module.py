@@ -24,15 +24,11 @@ from torchmetrics import MeanMetric
 from nag_lightning import tokenizer as tokenizers
 from nag_lightning.callbacks.budget import FlopBudget
 from nag_lightning.callbacks.projection import WeightProjection
-from nag_lightning.model import SUBLAYER_KINDS, Transformer, TransformerConfig
+from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.residuals import ResidualStrategy
+from nag_lightning.saved_settings import check_architecture, saved_architecture
 from nag_lightning.tokenizer import Tokenizer
 
-# The settings a checkpoint's weights depend on; resuming with any of them changed cannot work.
-ARCHITECTURE_FIELDS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "mlp_ratio", "residual", "router",
-    "route_kinds", "route_layers",
-)
 SCHEDULES = ("cosine", "wsd")
 
 
@@ -48,23 +44,8 @@ class NAGLanguageModel(L.LightningModule):
     """Transformer language model with a pluggable residual stream and router.
 
     Args:
-        d_model: residual width.
-        n_layers: number of blocks (each an attention and an MLP sublayer).
-        n_heads: attention heads; must divide d_model.
-        mlp_ratio: SwiGLU hidden width over d_model.
-        seq_len: training sequence length (the data module reads the same value).
-        residual: residual strategy: "prenorm", "nag", another registered name, or a
-            {class_path, init_args} mapping.
-        residual_options: keyword options of the residual strategy (e.g. theta_max, kernel).
-        router: router: "none", "topk", "threshold", another registered name, or a
-            {class_path, init_args} mapping.
-        router_options: keyword options of the router (e.g. capacity, tau, target_rate).
-        route_kinds: which sublayer kinds are routed: "attn", "mlp" or both.
-        route_layers: which blocks are routed: "all", "every_other" or a list of block indices.
-        vocab_size: number of token ids (256 for bytes); the command line sets it from
-            data.tokenizer.
-        init_std: standard deviation of linear weights at init; null means 1/sqrt(d_model).
-        embed_std: standard deviation of the token embedding at init.
+        arch: the Transformer's architecture, `nag_lightning.model.TransformerConfig`: widths,
+            depth, sequence length, the residual strategy and the router with their options.
         lr: peak learning rate.
         min_lr_ratio: final learning rate of the decay, as a fraction of lr.
         warmup_steps: linear warmup steps.
@@ -81,20 +62,7 @@ class NAGLanguageModel(L.LightningModule):
 
     def __init__(
         self,
-        d_model: int = 128,
-        n_layers: int = 4,
-        n_heads: int = 4,
-        mlp_ratio: float = 4.0,
-        seq_len: int = 256,
-        residual: str | dict = "nag",
-        residual_options: dict | None = None,
-        router: str | dict = "none",
-        router_options: dict | None = None,
-        route_kinds: list[str] | None = None,
-        route_layers: str | list[int] = "all",
-        vocab_size: int = 256,
-        init_std: float | None = None,
-        embed_std: float = 1.0,
+        arch: TransformerConfig = TransformerConfig(),  # noqa: B008 - jsonargparse reads its fields
         lr: float = 3e-3,
         min_lr_ratio: float = 0.1,
         warmup_steps: int = 50,
@@ -105,15 +73,12 @@ class NAGLanguageModel(L.LightningModule):
         aux_loss_weight: float = 1.0,
     ) -> None:
         super().__init__()
+        # A copy (the default is shared); a checkpoint's hyperparameters hold the config as a dict.
+        self.config = TransformerConfig(**(asdict(arch) if isinstance(arch, TransformerConfig) else arch))
+        # save_hyperparameters reads this frame's arguments: the config goes in as plain data, so
+        # checkpoints load with weights_only=True
+        arch = asdict(self.config)
         self.save_hyperparameters()
-        self.config = TransformerConfig(
-            vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-            mlp_ratio=mlp_ratio, seq_len=seq_len, residual=residual,
-            residual_options=dict(residual_options or {}), router=router,
-            router_options=dict(router_options or {}),
-            route_kinds=list(route_kinds or SUBLAYER_KINDS), route_layers=route_layers,
-            init_std=init_std, embed_std=embed_std,
-        )
         if lr <= 0 or warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
             raise ValueError(
                 "Need lr > 0, warmup_steps >= 0 and min_lr_ratio in [0, 1]; got "
@@ -125,6 +90,7 @@ class NAGLanguageModel(L.LightningModule):
                 f"(0, 1]; got schedule={schedule!r}, decay_fraction={decay_fraction}."
             )
         self.model = Transformer(self.config)
+        self.routed = any(s.routed for s in self.model.sublayers)
         self.val_bpb, self.val_loss = BitsPerByte(), MeanMetric()
         self.test_bpb, self.test_loss = BitsPerByte(), MeanMetric()
         # The tokenizer of the data (from the data module at setup, or from a checkpoint): its
@@ -141,10 +107,10 @@ class NAGLanguageModel(L.LightningModule):
             self.set_tokenizer(tokenizer)
             self._tokenizer_from_data = True
         needed = getattr(self.trainer.datamodule, "vocab_size", None)
-        if needed is not None and self.hparams.vocab_size < needed:
+        if needed is not None and self.config.vocab_size < needed:
             raise ValueError(
-                f"model.vocab_size={self.hparams.vocab_size} is smaller than the {needed} token ids "
-                f"of data.tokenizer={self.tokenizer.spec!r}; set model.vocab_size to at least "
+                f"model.arch.vocab_size={self.config.vocab_size} is smaller than the {needed} token ids "
+                f"of data.tokenizer={self.tokenizer.spec!r}; set model.arch.vocab_size to at least "
                 f"{needed}, or leave it out: the command line sets it from data.tokenizer."
             )
 
@@ -154,7 +120,7 @@ class NAGLanguageModel(L.LightningModule):
         if tokenizer.key == tokenizers.BYTES:
             self.token_bytes = None
             return
-        lengths = torch.zeros(max(self.hparams.vocab_size, tokenizer.vocab_size), dtype=torch.long)
+        lengths = torch.zeros(max(self.config.vocab_size, tokenizer.vocab_size), dtype=torch.long)
         lengths[: tokenizer.vocab_size] = tokenizer.byte_lengths
         self.token_bytes = lengths.to(self.device)
 
@@ -187,7 +153,7 @@ class NAGLanguageModel(L.LightningModule):
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         tokens = batch[:, 1:].numel()
         self.log("train/bpb", loss * (tokens / self._bytes(batch[:, 1:])) / math.log(2))
-        if self.hparams.router != "none":
+        if self.routed:
             self.log("train/aux_loss", aux)
         return loss + self.hparams.aux_loss_weight * aux
 
@@ -288,6 +254,9 @@ class NAGLanguageModel(L.LightningModule):
             )
         checkpoint = read_checkpoint(checkpoint_path)
         check_plugins(checkpoint, checkpoint_path, trust_checkpoint, replaced=kwargs)
+        saved = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY) or {}
+        if "arch" not in kwargs and "arch" not in saved:  # written before model.arch: settings flat
+            kwargs["arch"] = saved_architecture(saved)
         return super().load_from_checkpoint(
             checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
         )
@@ -314,27 +283,7 @@ class NAGLanguageModel(L.LightningModule):
                 "checkpoint's run did, e.g. from its config.yaml."
             )
         self.set_tokenizer(saved)
-        differences = architecture_differences(
-            checkpoint.get("hyper_parameters", {}), asdict(self.config)
-        )
-        if differences:
-            raise ValueError(
-                "The checkpoint was trained with a different architecture: "
-                + ", ".join(differences)
-                + "; resume with the same model settings or start a new run without ckpt_path."
-            )
-
-
-def architecture_differences(saved: dict, current: dict) -> list[str]:
-    """`name=saved (this run: current)` for every architecture setting the two disagree on (a
-    setting `current` does not hold yet, as vocab_size before the data module sets it, is left to
-    the check at load time)."""
-    return [
-        f"{name}={saved[name]!r} (this run: {current.get(name)!r})"
-        for name in ARCHITECTURE_FIELDS
-        if name in saved and name in current
-        and _normalise(name, saved[name]) != _normalise(name, current.get(name))
-    ]
+        check_architecture(checkpoint.get("hyper_parameters", {}), asdict(self.config))
 
 
 def warmup_stable_decay(
@@ -357,10 +306,3 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
         return (step + 1) / warmup
     progress = min((step - warmup) / max(total - warmup, 1), 1.0)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _normalise(name: str, value: object) -> object:
-    """Compare YAML-loaded and Python values alike: tuples as lists, route_kinds=None as its default."""
-    if name == "route_kinds" and value is None:
-        return list(SUBLAYER_KINDS)
-    return list(value) if isinstance(value, tuple) else value

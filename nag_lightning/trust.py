@@ -28,6 +28,7 @@ import torch
 from nag_lightning.registry import Registry
 from nag_lightning.residuals import RESIDUALS
 from nag_lightning.routers import ROUTERS
+from nag_lightning.saved_settings import ARCH, saved_architecture
 
 TRUST_FLAG = "--trust_checkpoint"
 TRUST_HELP = (
@@ -143,17 +144,21 @@ def plugin_class_path(spec: object) -> str | None:
 
 
 def untrusted_plugins(settings: Mapping, configured: Mapping | None = None) -> list[str]:
-    """`model.<setting>='<class path>'` for each plugin in `settings` (a checkpoint's saved
-    settings) named by a class path that neither a registry knows nor `configured` (the user's own
-    model settings) names too."""
+    """`model.arch.<setting>='<class path>'` for each plugin in `settings` (a checkpoint's saved
+    settings, in any layout `nag_lightning.saved_settings` reads) named by a class path that neither
+    a registry knows nor `configured` (the user's own model settings) names too."""
     found = []
-    for key, registry in PLUGIN_SETTINGS.items():
-        path = plugin_class_path(settings.get(key))
-        if path is None or registry.knows(path):
-            continue
-        if configured is not None and plugin_class_path(configured.get(key)) == path:
-            continue  # the user wrote this class path in their own config: their code, their call
-        found.append(f"model.{key}={path!r}")
+    own = saved_architecture(configured or {})
+    arch = settings.get(ARCH)
+    # the architecture where it is saved now, and flat where checkpoints saved it before: both
+    for saved in (settings, arch if isinstance(arch, Mapping) else {}):
+        for key, registry in PLUGIN_SETTINGS.items():
+            path = plugin_class_path(saved.get(key))
+            if path is None or registry.knows(path):
+                continue
+            if plugin_class_path(own.get(key)) == path:
+                continue  # the user wrote this class path in their own config: their code, their call
+            found.append(f"model.arch.{key}={path!r}")
     return found
 
 

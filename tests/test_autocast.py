@@ -65,8 +65,8 @@ def test_lightning_fit_in_bf16_mixed_with_a_routed_model(tmp_path, monkeypatch):
         "fit", "--config", str(ROOT / "recipes" / "debug.yaml"),
         f"--data.cache_dir={tmp_path / 'cache'}", f"--trainer.default_root_dir={tmp_path}",
         "--trainer.precision=bf16-mixed", "--trainer.max_steps=4", "--trainer.val_check_interval=2",
-        "--trainer.logger=false", "--model.router=threshold",
-        "--model.router_options={target_rate: 0.25, warmup_steps: 1}",
+        "--trainer.logger=false", "--model.arch.router=threshold",
+        "--model.arch.router_options={target_rate: 0.25, warmup_steps: 1}",
     ])
     assert cli.trainer.global_step == 4
     assert cli.trainer.precision == "bf16-mixed"

@@ -105,15 +105,15 @@ def test_a_read_only_cache_dir(corpus, tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--model.residual_options={theta_maxx: 1.0}"],
-         r"model.residual_options has 'theta_maxx', which the residual strategy 'nag' does not "
+        (["--model.arch.residual_options={theta_maxx: 1.0}"],
+         r"model.arch.residual_options has 'theta_maxx', which the residual strategy 'nag' does not "
          r"take; it accepts: theta_max, .*kernel"),
-        (["--model.router=topk", "--model.router_options={cap: 0.5}"],
-         r"model.router_options has 'cap', which the router 'topk' does not take; it accepts: "
+        (["--model.arch.router=topk", "--model.arch.router_options={cap: 0.5}"],
+         r"model.arch.router_options has 'cap', which the router 'topk' does not take; it accepts: "
          r"capacity"),
-        (["--model.vocab_size=100"],
-         r"model.vocab_size=100 does not match the 256 token ids of data.tokenizer='bytes'; leave "
-         r"model.vocab_size out: it follows data.tokenizer"),
+        (["--model.arch.vocab_size=100"],
+         r"model.arch.vocab_size=100 does not match the 256 token ids of data.tokenizer='bytes'; leave "
+         r"model.arch.vocab_size out: it follows data.tokenizer"),
         (["--trainer.max_steps=-5"], r"trainer.max_steps=-5 is not a number of steps"),
         (["--trainer.max_steps=0"], r"trainer.max_steps=0 would train nothing"),
         (["--data.source=file://elsewhere/corpus.txt"], r"names a file on another host"),

@@ -17,18 +17,19 @@ from torch.utils.data import DataLoader
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget
 from nag_lightning.flops import StepFlops, count_flops, reference_training_flops
+from nag_lightning.model import TransformerConfig
 from nag_lightning.module import NAGLanguageModel
 
 SEQ, BATCH, BATCHES = 16, 4, 3  # an epoch is 3 steps
-SIGN = {"class_path": "tests.test_flops.SignRouter"}  # data-dependent executed counts
+SIGN = "tests.test_flops.SignRouter"  # data-dependent executed counts
 
 
-def model(router: str | dict = "none") -> NAGLanguageModel:
+def model(router: str = "none") -> NAGLanguageModel:
     torch.manual_seed(0)
     # A constant learning rate after warmup: the cosine schedule would depend on max_steps, so runs
     # with different step limits would train (and route, so spend) differently.
-    return NAGLanguageModel(d_model=16, n_layers=2, n_heads=2, seq_len=SEQ, router=router,
-                            warmup_steps=1, lr=1e-2, min_lr_ratio=1.0)
+    arch = TransformerConfig(d_model=16, n_layers=2, n_heads=2, seq_len=SEQ, router=router)
+    return NAGLanguageModel(arch, warmup_steps=1, lr=1e-2, min_lr_ratio=1.0)
 
 
 def loader() -> DataLoader:

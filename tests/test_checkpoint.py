@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget, RunCheckpoint
 from nag_lightning.data import ByteDataModule
+from nag_lightning.model import TransformerConfig
 from nag_lightning.module import NAGLanguageModel
 
 SEQ, BATCH = 16, 4
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def model() -> NAGLanguageModel:
     torch.manual_seed(0)
-    return NAGLanguageModel(d_model=16, n_layers=1, n_heads=2, seq_len=SEQ, warmup_steps=1, lr=1e-2)
+    arch = TransformerConfig(d_model=16, n_layers=1, n_heads=2, seq_len=SEQ)
+    return NAGLanguageModel(arch, warmup_steps=1, lr=1e-2)
 
 
 def loader(batches: int = 20) -> DataLoader:
@@ -149,7 +151,8 @@ def test_an_exception_mid_step_saves_a_state_that_resumes_exactly(tmp_path):
 
     def fit(root: Path, stop_at: int = -1, ckpt_path=None) -> dict[int, float]:
         torch.manual_seed(0)
-        module = Interrupt(d_model=16, n_layers=1, n_heads=2, seq_len=SEQ, warmup_steps=1, lr=1e-2)
+        module = Interrupt(TransformerConfig(d_model=16, n_layers=1, n_heads=2, seq_len=SEQ),
+                           warmup_steps=1, lr=1e-2)
         module.stop_at = stop_at
         data = ByteDataModule(str(corpus), seq_len=SEQ, batch_size=BATCH, cache_dir=str(tmp_path / "c"))
         record = Record()

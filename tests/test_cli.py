@@ -100,10 +100,10 @@ def test_resume_mid_epoch_gives_the_same_weights(tmp_path, cache_dir, monkeypatc
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--model.residual=no-such-strategy"],
+        (["--model.arch.residual=no-such-strategy"],
          "Unknown residual strategy 'no-such-strategy'; registered: lns, nag, ngpt, periln, prenorm"),
-        (["--model.d_model=33"], "must be divisible by model.n_heads"),
-        (["--model.seq_len=1"], "seq_len must be at least 2"),
+        (["--model.arch.d_model=33"], "must be divisible by model.arch.n_heads"),
+        (["--model.arch.seq_len=1"], "seq_len must be at least 2"),
         (["--data.source=/no/such/corpus.txt"], "does not exist"),
         (["--ckpt_path=/no/such/run/last.ckpt"], "The checkpoint /no/such/run/last.ckpt does not exist"),
     ],
@@ -137,9 +137,9 @@ def test_resuming_another_architecture_is_refused(tmp_path, cache_dir, capsys, m
     args = ["fit", "--config", DEBUG, f"--data.cache_dir={cache_dir}", "--trainer.max_steps=2"]
     assert run_cli(args, capsys)[0] == 0
     checkpoint = next(tmp_path.rglob("last.ckpt"))
-    status, _, err = run_cli([*args, "--model.d_model=64", f"--ckpt_path={checkpoint}"], capsys)
+    status, _, err = run_cli([*args, "--model.arch.d_model=64", f"--ckpt_path={checkpoint}"], capsys)
     assert status == 1
-    assert "different architecture: d_model=32 (this run: 64)" in err
+    assert "different architecture: model.arch.d_model=32 (this run: 64)" in err
 
 
 class PoisonWeights(L.Callback):

@@ -57,10 +57,10 @@ class SignRouter(Router):
 # Options that make the built-in routers skip tokens from the first passes on (routers registered
 # later are tested with their defaults).
 ROUTE_OPTIONS = {"topk": {"capacity": 0.5}, "threshold": {"target_rate": 0.3, "warmup_steps": 0}}
-UNEVEN = {"class_path": f"{__name__}.UnevenRouter"}
+UNEVEN = f"{__name__}.UnevenRouter"
 
 
-def tiny(residual: str = "nag", router: str | dict = "none", **overrides) -> Transformer:
+def tiny(residual: str = "nag", router: str = "none", **overrides) -> Transformer:
     torch.manual_seed(0)
     cfg = dict(d_model=24, n_layers=2, n_heads=2, mlp_ratio=2.5, seq_len=16, residual=residual,
                router=router)

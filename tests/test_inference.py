@@ -161,7 +161,7 @@ def test_generation_longer_than_seq_len_rebuilds_the_window_from_its_last_half()
 
     decoder = CachedDecoder(model, 1)
     decoder.extend([prompt[:seq_len]])
-    with pytest.raises(ValueError, match="more than model.seq_len = 16"):
+    with pytest.raises(ValueError, match="more than model.arch.seq_len = 16"):
         decoder.extend([[1]])
 
 

@@ -72,7 +72,7 @@ def test_depth_diagnostics_are_recorded_on_request():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"d_model": 30, "n_heads": 4}, "must be divisible by model.n_heads"),
+        ({"d_model": 30, "n_heads": 4}, "must be divisible by model.arch.n_heads"),
         ({"seq_len": 1}, "seq_len must be at least 2"),
         ({"route_kinds": ["attn", "ffn"]}, "sublayer kinds \\['ffn'\\] that do not exist"),
         ({"route_layers": [7]}, "route_layers must be"),
@@ -87,7 +87,7 @@ def test_bad_config_says_what_to_fix(overrides, message, no_plugins):
 
 
 def test_input_longer_than_seq_len_is_refused():
-    with pytest.raises(ValueError, match="more than model.seq_len = 24"):
+    with pytest.raises(ValueError, match="more than model.arch.seq_len = 24"):
         tiny()(torch.zeros(1, 25, dtype=torch.long))
 
 
@@ -98,7 +98,7 @@ def test_registry_refuses_duplicates_and_resolves_class_paths():
     assert RESIDUALS.get(path) is PreNormResidual
     cls, options = RESIDUALS.resolve({"class_path": path, "init_args": {"eps": 1e-5}})
     assert cls is PreNormResidual and options == {"eps": 1e-5}
-    model = tiny({"class_path": path, "init_args": {"eps": 1e-5}})
+    model = tiny(path, residual_options={"eps": 1e-5})
     assert isinstance(model.strategy, PreNormResidual) and model.strategy.eps == 1e-5
     with pytest.raises(ValueError, match="Cannot import the residual strategy class"):
         RESIDUALS.get("nag_lightning.residuals.nope.Missing")
@@ -175,7 +175,7 @@ def test_a_class_path_to_a_file_in_the_working_directory_needs_no_pythonpath(tmp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "my_residual_plugin", raising=False)
-    model = tiny({"class_path": "my_residual_plugin.MyResidual"})
+    model = tiny("my_residual_plugin.MyResidual")
     assert type(model.strategy).__name__ == "MyResidual"
     sys.modules.pop("my_residual_plugin", None)
 

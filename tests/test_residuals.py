@@ -261,10 +261,13 @@ def test_ngpt_projects_every_matrix_to_unit_norm_along_the_embedding_axis():
 
 def test_ngpt_training_adds_the_weight_projection_callback():
     from nag_lightning.callbacks import WeightProjection
+    from nag_lightning.model import TransformerConfig
     from nag_lightning.module import NAGLanguageModel
 
-    tiny = dict(d_model=16, n_layers=1, n_heads=2, seq_len=8)
-    callbacks = NAGLanguageModel(residual="ngpt", **tiny).configure_callbacks()
+    def tiny(residual: str) -> TransformerConfig:
+        return TransformerConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8, residual=residual)
+
+    callbacks = NAGLanguageModel(tiny("ngpt")).configure_callbacks()
     assert [type(c) for c in callbacks] == [WeightProjection]
     for name in ("prenorm", "nag", "lns", "periln"):
-        assert NAGLanguageModel(residual=name, **tiny).configure_callbacks() == []
+        assert NAGLanguageModel(tiny(name)).configure_callbacks() == []

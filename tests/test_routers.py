@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from nag_lightning import RESIDUALS, ROUTERS, Transformer, TransformerConfig
-from nag_lightning.routing_stats import routing_stats
 from nag_lightning.routers.threshold import ThresholdRouter
 from nag_lightning.routers.topk import TopKRouter
+from nag_lightning.routing_stats import routing_stats
 
 T = 32
 
@@ -442,11 +442,11 @@ def test_bad_router_options_reach_the_user_through_the_lightning_module():
     from nag_lightning.module import NAGLanguageModel
 
     with pytest.raises(ValueError, match=r"route_kinds names sublayer kinds \['ffn'\] that do not exist"):
-        NAGLanguageModel(d_model=32, n_layers=2, n_heads=2, seq_len=T, router="threshold",
-                         route_kinds=["ffn"])
+        NAGLanguageModel(TransformerConfig(d_model=32, n_layers=2, n_heads=2, seq_len=T,
+                                           router="threshold", route_kinds=["ffn"]))
     with pytest.raises(ValueError, match=r"capacity must be in \(0, 1\]"):
-        NAGLanguageModel(d_model=32, n_layers=2, n_heads=2, seq_len=T, router="topk",
-                         router_options={"capacity": 2})
+        NAGLanguageModel(TransformerConfig(d_model=32, n_layers=2, n_heads=2, seq_len=T,
+                                           router="topk", router_options={"capacity": 2}))
 
 
 def test_bad_route_kinds_on_the_command_line(capsys):
@@ -454,7 +454,8 @@ def test_bad_route_kinds_on_the_command_line(capsys):
 
     debug = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", debug, "--model.router", "threshold", "--model.route_kinds", "[ffn]"])
+        main(["fit", "--config", debug, "--model.arch.router", "threshold",
+              "--model.arch.route_kinds", "[ffn]"])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert "route_kinds names sublayer kinds ['ffn'] that do not exist" in err

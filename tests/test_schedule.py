@@ -12,6 +12,7 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget
+from nag_lightning.model import TransformerConfig
 from nag_lightning.module import NAGLanguageModel, warmup_stable_decay
 from tests.test_budget import SIGN, dense_step_flops, loader, trainer
 
@@ -21,11 +22,11 @@ LR, WARMUP, MIN_RATIO = 1e-2, 2, 0.1
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def model(router: str | dict = "none", **schedule) -> NAGLanguageModel:
+def model(router: str = "none", **schedule) -> NAGLanguageModel:
     torch.manual_seed(0)
     settings = {"schedule": "wsd", "warmup_steps": WARMUP, "min_lr_ratio": MIN_RATIO, **schedule}
-    return NAGLanguageModel(d_model=16, n_layers=2, n_heads=2, seq_len=16, router=router, lr=LR,
-                            **settings)
+    arch = TransformerConfig(d_model=16, n_layers=2, n_heads=2, seq_len=16, router=router)
+    return NAGLanguageModel(arch, lr=LR, **settings)
 
 
 class RecordLR(L.Callback):

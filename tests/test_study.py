@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nag_lightning.analysis import depth_study as depth, study
+from nag_lightning.analysis import depth_study as depth
+from nag_lightning.analysis import study
 from nag_lightning.analysis.depth_study import depth_study, plot_norm_growth
 from nag_lightning.analysis.study import fit_run
 
@@ -49,7 +50,7 @@ def launch(request, monkeypatch):
 
 
 def test_fit_run_trains_in_its_own_process_and_is_not_run_twice(tmp_path):
-    args = ["--config", DEBUG, "--model.n_layers=1", "--trainer.max_steps=2",
+    args = ["--config", DEBUG, "--model.arch.n_layers=1", "--trainer.max_steps=2",
             "--trainer.val_check_interval=2", f"--data.cache_dir={tmp_path / 'cache'}"]
     result = fit_run(tmp_path, "one", args)
     assert result["step"] == 1 and result["val_bpb"] > 0  # CSVLogger counts steps from 0
@@ -87,7 +88,7 @@ def test_isoflop_study_runs_every_recipe_and_seed_and_aggregates(tmp_path, launc
     recipes = [str(Path(__file__).resolve().parents[1] / "recipes" / "isoflop" / f"{name}.yaml")
                for name in ("nag", "nag_threshold20")]
     extra = ["--trainer.max_steps=4", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
-             "--model.n_layers=1", "--data.max_bytes=300000", f"--data.cache_dir={tmp_path / 'cache'}"]
+             "--model.arch.n_layers=1", "--data.max_bytes=300000", f"--data.cache_dir={tmp_path / 'cache'}"]
     rows = isoflop_study(recipes=recipes, out=str(tmp_path), seeds=[1, 2], extra=extra)
     assert [(r["recipe"], r["seeds"]) for r in rows] == [("nag", 2), ("nag_threshold20", 2)]
     assert rows[0]["executed_fraction"] == 1.0  # the threshold router skips nothing in its warm-up

@@ -13,13 +13,14 @@ import torch
 from nag_lightning.analysis.generate import generate, generate_tokens, sample_next
 from nag_lightning.analysis.sweep import run_sweep, sweep
 from nag_lightning.cli import main
+from nag_lightning.model import TransformerConfig
 from nag_lightning.module import NAGLanguageModel
 
 DEBUG = Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml"
 ROUTERS = {
     "none": [],
-    "threshold": ["--model.router_options", "{target_rate: 0.25, warmup_steps: 2}"],
-    "topk": ["--model.router_options", "{capacity: 0.75}"],
+    "threshold": ["--model.arch.router_options", "{target_rate: 0.25, warmup_steps: 2}"],
+    "topk": ["--model.arch.router_options", "{capacity: 0.75}"],
 }
 LOGGER = ('{"class_path": "lightning.pytorch.loggers.CSVLogger", '
           '"init_args": {"save_dir": "runs", "name": "%s"}}')
@@ -43,7 +44,7 @@ def checkpoints(workdir) -> dict[str, Path]:
     try:
         os.chdir(workdir)
         for router, options in ROUTERS.items():
-            main(["fit", "--config", str(DEBUG), "--model.router", router, *options,
+            main(["fit", "--config", str(DEBUG), "--model.arch.router", router, *options,
                   "--data.cache_dir", str(workdir / "data_cache"), "--trainer.max_steps", "8",
                   "--trainer.logger", LOGGER % router, "--trainer.enable_progress_bar", "false"])
             paths[router] = workdir / "runs" / router / "version_0" / "checkpoints" / "last.ckpt"
@@ -208,7 +209,7 @@ def test_sampling_with_top_k_one_is_greedy_and_bad_options_are_refused():
     logits = torch.randn(256)
     g = torch.Generator().manual_seed(0)
     assert sample_next(logits, temperature=1.5, top_k=1, generator=g) == int(logits.argmax())
-    model = NAGLanguageModel(d_model=32, n_layers=1, n_heads=2, seq_len=8).model
+    model = NAGLanguageModel(TransformerConfig(d_model=32, n_layers=1, n_heads=2, seq_len=8)).model
     with pytest.raises(ValueError, match="prompt is empty"):
         generate_tokens(model, [], 4)
     with pytest.raises(ValueError, match="temperature >= 0"):

@@ -19,6 +19,7 @@ from nag_lightning import data
 from nag_lightning import tokenizer as tokenizers
 from nag_lightning.cli import main
 from nag_lightning.data import ByteDataModule, load_tokenizer, prepare_corpus, token_counts
+from nag_lightning.model import TransformerConfig
 from nag_lightning.module import NAGLanguageModel
 from nag_lightning.tokenizer import HFTokenizer, StreamDecoder, Tokenizer
 from tests.helpers import run_command as run_cli
@@ -143,8 +144,9 @@ def test_bpe_training_reads_an_evenly_spread_sample():
 class Uniform(NAGLanguageModel):
     """A model whose every prediction is uniform over its vocabulary: loss ln V per token."""
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(d_model=16, n_layers=1, n_heads=2, seq_len=SEQ, **kwargs)
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(TransformerConfig(vocab_size=vocab_size, d_model=16, n_layers=1, n_heads=2,
+                                           seq_len=SEQ))
         torch.nn.init.zeros_(self.model.head.weight)
 
 
@@ -201,7 +203,7 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
     assert status == 0, err[-3000:]
     [ckpt] = tmp_path.rglob("last.ckpt")
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)
-    assert saved["hyper_parameters"]["vocab_size"] == 300  # linked from the tokenizer
+    assert saved["hyper_parameters"]["arch"]["vocab_size"] == 300  # linked from the tokenizer
     assert saved["tokenizer"]["spec"] == "bpe:300"
     assert HFTokenizer(saved["tokenizer"]["json"], "x") == load_tokenizer("bpe:300", str(corpus), cache)
     metrics = next(tmp_path.rglob("metrics.csv")).read_text()
@@ -236,9 +238,9 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--data.tokenizer=bpe:300", "--model.vocab_size=256"],
-         r"model.vocab_size=256 does not match the 300 token ids of data.tokenizer='bpe:300'; "
-         r"leave model.vocab_size out"),
+        (["--data.tokenizer=bpe:300", "--model.arch.vocab_size=256"],
+         r"model.arch.vocab_size=256 does not match the 300 token ids of data.tokenizer='bpe:300'; "
+         r"leave model.arch.vocab_size out"),
         (["--data.tokenizer=bpe:100"], r"data.tokenizer='bpe:100' is not a BPE the data can train"),
         (["--data.tokenizer=bpe:lots"], r"write 'bpe:<vocab size>'"),
         (["--data.tokenizer=nowhere/tokenizer.json"],
@@ -262,13 +264,13 @@ def test_a_vocabulary_size_that_matches_the_tokenizer_is_accepted_and_one_in_a_c
     corpus, cache, tmp_path, capsys, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
-    status, _, err = run_cli(fit(corpus, cache, "--data.tokenizer=bpe:300", "--model.vocab_size=300",
+    status, _, err = run_cli(fit(corpus, cache, "--data.tokenizer=bpe:300", "--model.arch.vocab_size=300",
                                  "--trainer.max_steps=1", "--trainer.limit_val_batches=0"), capsys)
     assert status == 0, err[-2000:]
     config = tmp_path / "old_run.yaml"  # e.g. the config.yaml of a run from before tokenizers
-    config.write_text("model:\n  vocab_size: 256\n")
+    config.write_text("model:\n  arch:\n    vocab_size: 256\n")
     status, _, err = run_cli(fit(corpus, cache, "--data.tokenizer=bpe:300", f"--config={config}"), capsys)
-    assert status == 1 and "model.vocab_size=256 does not match the 300 token ids" in err
+    assert status == 1 and "model.arch.vocab_size=256 does not match the 300 token ids" in err
 
 
 def test_a_file_that_is_not_a_tokenizer_and_a_folder_of_other_tokens(corpus, cache, tmp_path):

@@ -134,7 +134,7 @@ def with_settings(checkpoint: Path, out: Path, **settings) -> Path:
     """A copy of `checkpoint` whose saved model settings are changed: plain data only, so it
     passes the weights-only reader."""
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    saved["hyper_parameters"].update(settings)
+    saved["hyper_parameters"]["arch"].update(settings)
     torch.save(saved, out)
     return out
 
@@ -170,7 +170,7 @@ def test_a_class_path_saved_in_a_checkpoint_is_not_called(name, payload, checkpo
 def test_an_out_of_package_plugin_loads_when_trusted_or_configured(checkpoint, workdir, tmp_path,
                                                                    capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    plugin = {"class_path": f"{__name__}.PlainNag"}
+    plugin = f"{__name__}.PlainNag"
     ckpt = str(with_settings(checkpoint, tmp_path / "plugin.ckpt", residual=plugin))
 
     status, err = run_cli(command("generate", ckpt, workdir), capsys)
@@ -180,7 +180,7 @@ def test_an_out_of_package_plugin_loads_when_trusted_or_configured(checkpoint, w
         assert status == 0, (name, err[-2000:])
     # the user's own config names the same class path: their code, no flag needed
     status, err = run_cli(
-        command("validate", ckpt, workdir, f"--model.residual={{class_path: {plugin['class_path']}}}"),
+        command("validate", ckpt, workdir, f"--model.arch.residual={plugin}"),
         capsys,
     )
     assert status == 0, err[-2000:]
@@ -190,7 +190,7 @@ def test_registered_plugins_by_any_name_need_no_trust():
     nag_path = f"{NAGResidual.__module__}.{NAGResidual.__qualname__}"
     assert untrusted_plugins({"residual": "nag", "router": {"class_path": "topk"}}) == []
     assert untrusted_plugins({"residual": {"class_path": nag_path}, "router": "none"}) == []
-    assert untrusted_plugins({"residual": "os.system"}) == ["model.residual='os.system'"]
+    assert untrusted_plugins({"residual": "os.system"}) == ["model.arch.residual='os.system'"]
     assert untrusted_plugins({"residual": "os.system"}, {"residual": "os.system"}) == []
 
 

@@ -139,10 +139,12 @@ def summarize(run_dir: Path, label: str) -> RunSummary:
     last_step = totals[-1][0] if totals else max((s for v in cols.values() for s, _ in v), default=-1)
     fraction = [v for _, v in cols.get("flops/executed_fraction", [])]
     params = [v for _, v in cols.get("flops/executed_params_per_token", [])]
-    hp = _hparams(run_dir)
+    from nag_lightning.saved_settings import saved_architecture  # torch: only once there is a run
+
+    hp = saved_architecture(_hparams(run_dir))
     router = hp.get("router", "?")
     options = hp.get("router_options") or {}
-    if router != "none" and options:
+    if options:
         router = f"{router} " + ", ".join(f"{k}={v}" for k, v in options.items())
     return RunSummary(
         run=label, residual=str(hp.get("residual", "?")), router=str(router),

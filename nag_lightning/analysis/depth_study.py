@@ -1,6 +1,6 @@
 """`nag-lightning study depth`: residual strategies against each other at several depths and seeds.
 
-Every run is `nag-lightning fit` on the same recipe with only `model.n_layers`, `model.residual`,
+Every run is `nag-lightning fit` on the same recipe with only `model.arch.n_layers`, `model.arch.residual`,
 the seed (and, in a learning-rate sweep, `model.lr`) changed, in its own process and its own folder
 under `--out`: `{residual}-L{depth}-s{seed}`, with `-lr{lr}` appended for sweep runs, cached as
 every study's runs are (`nag_lightning.analysis.study`).
@@ -252,6 +252,7 @@ def depth_study(
     residual_extra: dict[str, list[str]] = {},  # noqa: B006
     lrs: list[float] = [],  # noqa: B006
     split_batches: int = 64,
+    trust_checkpoint: bool = False,
 ) -> list[dict]:
     """Run residual strategies at each depth and seed, then write tables and figures.
 
@@ -269,6 +270,9 @@ def depth_study(
             reports the one that does best on a selection half of the validation batches, on the
             other half. A sweep's --model.lr overrides one in extra or residual_extra.
         split_batches: validation batches of a sweep's selection and report halves together.
+        trust_checkpoint: let a sweep run's checkpoint, read back for the selection, import and
+            call a residual or router class path outside the registered plugins (your own
+            --residuals or extra options); only for run folders whose origin you trust.
     """
     check_recipe(recipe)
     check_options(residuals, residual_extra, lrs)
@@ -279,7 +283,8 @@ def depth_study(
             for residual in residuals:
                 for lr in lrs or [None]:
                     result = run_one(recipe, out_dir, residual, depth, seed,
-                                     [*extra, *residual_extra.get(residual, [])], lr, split_batches)
+                                     [*extra, *residual_extra.get(residual, [])], lr, split_batches,
+                                     trust_checkpoint)
                     print(json.dumps(result), flush=True)
                     results.append(result)
     rows = summarise(results, out_dir)

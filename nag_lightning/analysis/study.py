@@ -83,7 +83,7 @@ def angle_spread(diagnostics: Path) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
-def held_out_bpb(ckpt: Path, batches: int) -> tuple[float, float]:
+def held_out_bpb(ckpt: Path, batches: int, trust_checkpoint: bool = False) -> tuple[float, float]:
     """Bits per byte of a checkpoint on the first and on the second half of its first `batches`
     validation batches (the data it was trained on, read in order): one half picks, the other
     reports."""
@@ -92,7 +92,7 @@ def held_out_bpb(ckpt: Path, batches: int) -> tuple[float, float]:
     from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, load_checkpoint
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    module = load_checkpoint(ckpt, device)
+    module = load_checkpoint(ckpt, device, trust_checkpoint)
     data = checkpoint_data(module, ckpt)
     data.setup("validate")
     val = first_batches(data.val_dataloader(), batches)
@@ -107,20 +107,21 @@ def held_out_bpb(ckpt: Path, batches: int) -> tuple[float, float]:
 
 
 def run_one(recipe: str, out: Path, residual: str, depth: int, seed: int, extra: list[str],
-            lr: float | None = None, split_batches: int = 64) -> dict:
+            lr: float | None = None, split_batches: int = 64, trust_checkpoint: bool = False) -> dict:
     """One point of the depth study (cached like every `fit_run`). A sweep run (`lr` given) also
     gets `select_bpb` and `report_bpb`, its bits per byte on the two halves of `split_batches`
-    validation batches, cached in its result.json."""
+    validation batches, cached in its result.json; `trust_checkpoint` lets that checkpoint name a
+    plugin by class path (`nag_lightning.trust`)."""
     name = run_name(residual, depth, seed, lr)
     result_path = out / name / "result.json"
     if not result_path.is_file():
         check_recipe(recipe)  # a cached run needs no recipe
-    args = ["--config", recipe, f"--model.n_layers={depth}", f"--model.residual={residual}",
+    args = ["--config", recipe, f"--model.arch.n_layers={depth}", f"--model.arch.residual={residual}",
             f"--seed_everything={seed}", *extra, *([f"--model.lr={lr}"] if lr is not None else [])]
     result = fit_run(out, name, args)
     if lr is not None and "report_bpb" not in result:
         ckpt = out / name / "version_0" / "checkpoints" / "last.ckpt"
-        result["select_bpb"], result["report_bpb"] = held_out_bpb(ckpt, split_batches)
+        result["select_bpb"], result["report_bpb"] = held_out_bpb(ckpt, split_batches, trust_checkpoint)
         result_path.write_text(json.dumps(result))
     row = {"residual": residual, "depth": depth, "seed": seed, **({"lr": lr} if lr is not None else {}),
            **result}

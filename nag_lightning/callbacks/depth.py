@@ -72,7 +72,7 @@ class DepthDiagnostics(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.history and trainer.is_global_zero:
             path = Path(trainer.log_dir or trainer.default_root_dir) / self.filename
-            plot_depth(self.history, path, str(pl_module.hparams.residual))
+            plot_depth(self.history, path, str(pl_module.config.residual))
             # The numbers behind the picture, for side-by-side figures across runs.
             path.with_suffix(".json").write_text(json.dumps(self.history))
 

@@ -22,7 +22,7 @@ class WeightProjection(L.Callback):
         if isinstance(trainer.strategy, FSDPStrategy):
             # FSDP holds each rank's shard of a flattened parameter, not whole rows and columns.
             raise ValueError(
-                f"The residual strategy {pl_module.hparams.residual!r} renormalizes whole weight "
+                f"The residual strategy {pl_module.config.residual!r} renormalizes whole weight "
                 "matrices after each step, which FSDP's sharded parameters do not allow; train it "
                 "with trainer.strategy=ddp (or a single device)."
             )

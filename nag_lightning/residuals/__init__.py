@@ -81,7 +81,7 @@ def build_residual(
     override the spec's init_args."""
     cls, init_args = RESIDUALS.resolve(spec)
     options = {**init_args, **options}
-    RESIDUALS.check_options(cls, options, ("d_model", "n_sublayers"), "model.residual_options")
+    RESIDUALS.check_options(cls, options, ("d_model", "n_sublayers"), "model.arch.residual_options")
     return cls(d_model=d_model, n_sublayers=n_sublayers, **options)
 
 

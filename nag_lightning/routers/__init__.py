@@ -147,7 +147,7 @@ def build_router(spec: str | dict, d_model: int, **options: object) -> Router:
     `options` override the spec's init_args."""
     cls, init_args = ROUTERS.resolve(spec)
     options = {**init_args, **options}
-    ROUTERS.check_options(cls, options, ("d_model",), "model.router_options")
+    ROUTERS.check_options(cls, options, ("d_model",), "model.arch.router_options")
     return cls(d_model=d_model, **options)
 
 
