@@ -35,6 +35,7 @@ from torch import Tensor
 
 from nag_lightning.kv_cache import CachedPass, KVCache
 from nag_lightning.model import Transformer
+from nag_lightning.registry import plugin_name
 
 
 @dataclass
@@ -121,7 +122,7 @@ class CachedDecoder:
         for s in model.sublayers:
             if not s.router.causal:
                 raise ValueError(
-                    f"The {s.router.registry_name} router of sublayer {s.index} decides from the "
+                    f"The {plugin_name(type(s.router))} router of sublayer {s.index} decides from the "
                     "whole sequence in eval mode, which generation cannot see; switch it to its "
                     "causal decision (top-k: eval_routing='predictor')."
                 )
@@ -155,7 +156,7 @@ class CachedDecoder:
             if self.length[b] + len(chunk) > seq_len:
                 raise ValueError(
                     f"Sequence {b} would hold {self.length[b] + len(chunk)} tokens, more than "
-                    f"model.seq_len = {seq_len}; reset it and continue from its last bytes."
+                    f"model.arch.seq_len = {seq_len}; reset it and continue from its last bytes."
                 )
         T = max(len(c) for c in chunks)
         if T == 0:

@@ -140,6 +140,12 @@ class Registry(Generic[T]):
         return self.register(entry_point.name)(cls)
 
 
+def plugin_name(cls: type) -> str:
+    """What messages and tables call a plugin class: its registered name, else its class name (a
+    plugin named by class path registers nowhere)."""
+    return getattr(cls, "registry_name", cls.__qualname__)
+
+
 def _path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 

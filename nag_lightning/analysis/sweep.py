@@ -30,6 +30,7 @@ from nag_lightning.analysis.probes import attach_sweep_routers, fit_probes
 from nag_lightning.analysis.sweep_report import ORACLE, SweepRow, plot, report, write_csv
 from nag_lightning.flops import full_depth_forward_flops
 from nag_lightning.model import SUBLAYER_KINDS, Transformer
+from nag_lightning.registry import plugin_name
 from nag_lightning.routers import Router
 
 
@@ -88,10 +89,10 @@ def run_sweep(
     setting = kind.sweep_setting
     if setting is None:
         raise ValueError(
-            f"The router {getattr(kind, 'registry_name', kind.__qualname__)!r} has no setting to "
+            f"The router {plugin_name(kind)!r} has no setting to "
             "sweep after training (Router.sweep_setting); sweep a model trained with another router."
         )
-    method = getattr(kind, "registry_name", kind.__name__)
+    method = plugin_name(kind)
     seq_len = val_batches[0].shape[1] - 1
     dense_flops = full_depth_forward_flops(model.cfg, seq_len) / seq_len
     rows: list[SweepRow] = []

@@ -23,13 +23,15 @@ from nag_lightning.plotting import pyplot, save
 RATES = (0.1, 0.2, 0.25)
 
 
-def sweep_run(ckpt: Path, out: Path, val_batches: int, fit_batches: int) -> list[dict]:
+def sweep_run(ckpt: Path, out: Path, val_batches: int, fit_batches: int,
+              trust_checkpoint: bool = False) -> list[dict]:
     """The sweep of one checkpoint, as CSV rows with numbers (cached in out/sweep.csv)."""
     table = out / "sweep.csv"
     if not table.is_file():
         from nag_lightning.analysis.sweep import sweep
 
-        sweep(str(ckpt), out_dir=str(out), val_batches=val_batches, fit_batches=fit_batches)
+        sweep(str(ckpt), out_dir=str(out), val_batches=val_batches, fit_batches=fit_batches,
+              trust_checkpoint=trust_checkpoint)
     with table.open() as handle:
         return [{k: (v if k in ("method", "setting") else float(v or "nan")) for k, v in row.items()}
                 for row in csv.DictReader(handle)]
@@ -114,6 +116,7 @@ def tradeoff_study(
     val_batches: int = 16,
     fit_batches: int = 32,
     extra: list[str] = [],  # noqa: B006
+    trust_checkpoint: bool = False,
 ) -> dict[tuple[str, int], list[dict]]:
     """Sweep post-training skipping on trained prenorm and NAG models; one plot, one table.
 
@@ -127,6 +130,9 @@ def tradeoff_study(
         val_batches: validation batches every setting is evaluated on.
         fit_batches: training batches the threshold probes are fitted on.
         extra: further `fit` arguments for a run that has to be trained.
+        trust_checkpoint: let the runs' checkpoints, read back for the sweeps, import and call a
+            residual or router class path outside the registered plugins (your own --residuals or
+            extra options); only for run folders whose origin you trust.
     """
     out_dir = Path(out)
     curves = {}
@@ -135,7 +141,8 @@ def tradeoff_study(
             run_one(recipe, Path(depth_out), residual, depth, seed, extra)
             name = run_name(residual, depth, seed)
             ckpt = Path(depth_out) / name / "version_0" / "checkpoints" / "last.ckpt"
-            curves[(residual, seed)] = sweep_run(ckpt, out_dir / name, val_batches, fit_batches)
+            curves[(residual, seed)] = sweep_run(ckpt, out_dir / name, val_batches, fit_batches,
+                                                 trust_checkpoint)
             print(json.dumps({"run": name, "points": len(curves[(residual, seed)])}), flush=True)
     write_tables(curves, out_dir)
     plot(curves, out_dir / "tradeoff.png", depth)
