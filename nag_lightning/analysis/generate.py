@@ -73,18 +73,16 @@ def sample_next(
 
 
 def use_causal_routing(model: Transformer) -> Callable[[], None]:
-    """Eval mode, and top-k routers on their causal predictor whatever they were set to. Returns
-    the function that puts back the modes and routing the model had."""
+    """Eval mode, and every router on its causal decision where it has one besides another
+    (`Router.use_causal`; top-k: its predictor). Returns the function that puts back the modes and
+    routing the model had."""
     modes = {module: module.training for module in model.modules()}
-    routing = {s.router: s.router.eval_routing for s in model.sublayers
-               if getattr(s.router, "eval_routing", None) == "topk"}
     model.eval()
-    for router in routing:
-        router.eval_routing = "predictor"
+    switched = [undo for s in model.sublayers if (undo := s.router.use_causal()) is not None]
 
     def restore() -> None:
-        for router, value in routing.items():
-            router.eval_routing = value
+        for undo in switched:
+            undo()
         for module, training in modes.items():
             module.training = training
 

@@ -182,9 +182,10 @@ def sweep(
     out = Path(out_dir) if out_dir is not None else default_out_dir(ckpt_path)
     cfg = module.config
     title = f"{_name(cfg.residual)}, router {_name(cfg.router)}, {len(val)} val batches"
-    as_trained = tuple({type(s.router).sweep_baseline for s in module.model.sublayers if s.routed} - {None})
+    kind = type(routed_routers(module.model)[0])
+    as_trained = () if kind.sweep_baseline is None else (kind.sweep_baseline,)
     return {"csv": write_csv(rows, out / "sweep.csv"),
-            "png": plot(rows, out / "sweep.png", title, trained_routed, as_trained)}
+            "png": plot(rows, out / "sweep.png", title, trained_routed, as_trained, kind.sweep_labels)}
 
 
 def _name(spec: object) -> str:

@@ -54,27 +54,17 @@ def write_csv(rows: list[SweepRow], path: Path) -> Path:
     return path
 
 
-LABELS = {
-    "threshold": "threshold router (sweep of tau)",
-    ORACLE: "oracle: skips on the measured angle (upper bound, saves no compute)",
-    "topk": "top-k, exact (non-causal, analysis only)",
-    "topk_predictor": "top-k, causal predictor (as trained)",
-}
-
-
+ORACLE_LABEL = "oracle: skips on the measured angle (upper bound, saves no compute)"
 ORACLE_TRAINED_ROUTED = "oracle: skips on the measured angle (saves no compute; no bound here)"
 
 
-def _label(method: str, setting: str, swept: bool) -> str:
-    return LABELS.get(method, f"{method} (sweep of {setting})" if swept else f"{method} (as trained)")
-
-
 def plot(rows: list[SweepRow], path: Path, title: str, trained_routed: bool = False,
-         as_trained: tuple[str, ...] = ()) -> Path:
+         as_trained: tuple[str, ...] = (), labels: dict[str, str] | None = None) -> Path:
     """Bits per byte against executed forward FLOPs per token, one line per method (a point for
-    each method in `as_trained`, the routers as trained); the MoD rates label the points of each
-    swept router. The oracle bounds post-training routing; a model trained with routing never ran
-    dense, so there it is only a reference (`trained_routed` says so in its label)."""
+    each method in `as_trained`, the routers as trained), labelled by `labels` (the router's
+    `sweep_labels`) or by name; the MoD rates label the points of each swept router. The oracle
+    bounds post-training routing; a model trained with routing never ran dense, so there it is
+    only a reference (`trained_routed` says so in its label)."""
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -85,8 +75,11 @@ def plot(rows: list[SweepRow], path: Path, title: str, trained_routed: bool = Fa
         x, y, rate = zip(*points)
         swept = method not in as_trained
         style = "s--" if method == ORACLE else ("o-" if swept else "*")
-        label = (ORACLE_TRAINED_ROUTED if method == ORACLE and trained_routed
-                 else _label(method, setting, swept))
+        if method == ORACLE:
+            label = ORACLE_TRAINED_ROUTED if trained_routed else ORACLE_LABEL
+        else:
+            label = (labels or {}).get(
+                method, f"{method} (sweep of {setting})" if swept else f"{method} (as trained)")
         ax.plot(x, y, style, label=label, markersize=9 if style == "*" else 5)
         if swept and method != ORACLE:
             for xi, yi, ri in zip(x, y, rate):

@@ -18,6 +18,7 @@ import statistics
 from pathlib import Path
 
 from nag_lightning.analysis.study import RESIDUALS, run_name, run_one
+from nag_lightning.analysis.sweep_report import ORACLE
 from nag_lightning.plotting import pyplot, save
 
 RATES = (0.1, 0.2, 0.25)
@@ -45,11 +46,18 @@ def full_depth_bpb(rows: list[dict]) -> float:
 def cost_at_rate(rows: list[dict], method: str, rate: float) -> float:
     """bpb increase over the full-depth model at MoD rate `rate`, interpolated along the sweep."""
     points = sorted((r["mod_rate"], r["bpb"]) for r in rows if r["method"] == method)
+    if not points:
+        return float("nan")  # not swept (no oracle for a setting that is no angle)
     dense = points[0][1]  # sorted: the smallest rate swept, 0, where tau = 0 skips nothing
     for (r0, b0), (r1, b1) in zip(points, points[1:]):
         if r0 <= rate <= r1:
             return (b0 if r1 == r0 else b0 + (b1 - b0) * (rate - r0) / (r1 - r0)) - dense
     return float("nan")  # the sweep did not reach this rate
+
+
+def swept_method(rows: list[dict]) -> str:
+    """The name of the router a sweep varied (threshold for models trained without routing)."""
+    return next(r["method"] for r in rows if r["method"] != ORACLE)
 
 
 def write_tables(curves: dict[tuple[str, int], list[dict]], out: Path) -> None:
@@ -66,7 +74,7 @@ def write_tables(curves: dict[tuple[str, int], list[dict]], out: Path) -> None:
         dense = statistics.fmean(full_depth_bpb(rows) for rows in runs)
         cells = []
         for rate in RATES:
-            for method in ("threshold", "oracle"):
+            for method in (swept_method(runs[0]), ORACLE):
                 costs = [cost_at_rate(rows, method, rate) for rows in runs]
                 cells.append(f"{statistics.fmean(costs):+.3f} ({min(costs):+.3f} to {max(costs):+.3f})")
         lines.append(f"| {residual} | {len(runs)} | {dense:.4f} | " + " | ".join(cells) + " |")
@@ -83,16 +91,19 @@ def plot(curves: dict[tuple[str, int], list[dict]], path: Path, depth: int) -> P
     for (residual, _), rows in curves.items():
         color = colors.get(residual, None)
         dense = full_depth_bpb(rows)
-        for method, style in (("threshold", "o-"), ("oracle", "s:")):
+        router = swept_method(rows)
+        for method, style in ((router, "o-"), (ORACLE, "s:")):
             # Past a 70% MoD rate nothing useful is left to compare, and it squashes the axes.
             points = sorted((r["executed_fraction"], r["mod_rate"], r["bpb"]) for r in rows
                             if r["method"] == method and r["mod_rate"] <= 0.7)
             label = None if (residual, method) in labelled else (
-                f"{residual}, " + ("threshold router" if method == "threshold" else
+                f"{residual}, " + (f"{router} router" if method == router else
                                    "oracle (skips on the measured angle; saves nothing)"))
             labelled.add((residual, method))
+            if not points:
+                continue
             fraction, rate, bpb = zip(*points)
-            style_args = dict(color=color, markersize=4, lw=1.2, alpha=0.9 if method == "threshold" else 0.6)
+            style_args = dict(color=color, markersize=4, lw=1.2, alpha=0.9 if method == router else 0.6)
             ax_abs.plot(fraction, bpb, style, label=label, **style_args)
             ax_cost.plot(rate, [b - dense for b in bpb], style, **style_args)
     ax_abs.invert_xaxis()  # left to right: more compute saved

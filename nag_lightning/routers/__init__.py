@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -66,6 +66,10 @@ class Router(nn.Module):
     """Name of a sweep row evaluated with the routers as trained, before any setting is changed
     (top-k: its causal predictor), or None for no such row."""
 
+    sweep_labels: dict[str, str] = {}
+    """Legend labels of the sweep's rows of this router (by row name), where its name says too
+    little; the others are labelled '<name> (sweep of <setting>)'."""
+
     def __init__(self, d_model: int) -> None:
         super().__init__()
         self.d_model = d_model
@@ -83,6 +87,12 @@ class Router(nn.Module):
         eval-mode decision looks at other tokens must return False, and cached generation then
         refuses it."""
         return True
+
+    def use_causal(self) -> Callable[[], None] | None:
+        """Switch eval mode to a causal decision where the router has one besides a non-causal one
+        (top-k: its predictor), for generation; returns what switches back, or None when there is
+        nothing to switch (then `causal` alone decides whether generation may use the router)."""
+        return None
 
     def observe(self, h: Tensor, route: Route, contribution: Tensor) -> None:
         """Learn from the write: `contribution` (B, T) is the measured angle (0 where skipped).

@@ -98,6 +98,7 @@ class ThresholdRouter(Router):
     needs_contribution = True
     sweep_setting = "tau"
     sweep_setting_is_angle = True
+    sweep_labels = {"threshold": "threshold router (sweep of tau)"}
 
     def __init__(
         self,

@@ -18,7 +18,7 @@ top-k is reported in `stats()`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -47,6 +47,8 @@ class TopKRouter(Router):
 
     sweep_setting = "capacity"
     sweep_baseline = "topk_predictor"  # the causal predictor at the trained capacity
+    sweep_labels = {"topk": "top-k, exact (non-causal, analysis only)",
+                    "topk_predictor": "top-k, causal predictor (as trained)"}
 
     def __init__(
         self,
@@ -105,6 +107,17 @@ class TopKRouter(Router):
     def causal(self) -> bool:
         """In eval mode the predictor decides per token; the exact top-k reads the whole sequence."""
         return self.eval_routing == "predictor"
+
+    def use_causal(self) -> Callable[[], None] | None:
+        """Route eval mode with the predictor, whatever `eval_routing` says."""
+        if self.eval_routing == "predictor":
+            return None
+        trained, self.eval_routing = self.eval_routing, "predictor"
+
+        def restore() -> None:
+            self.eval_routing = trained
+
+        return restore
 
     @staticmethod
     def _topk_mask(s: Tensor, k: int) -> Tensor:
