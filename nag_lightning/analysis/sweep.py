@@ -92,7 +92,7 @@ def run_sweep(
             f"The router {plugin_name(kind)!r} has no setting to "
             "sweep after training (Router.sweep_setting); sweep a model trained with another router."
         )
-    method = plugin_name(kind)
+    swept = plugin_name(kind)
     seq_len = val_batches[0].shape[1] - 1
     dense_flops = full_depth_forward_flops(model.cfg, seq_len) / seq_len
     rows: list[SweepRow] = []
@@ -116,7 +116,7 @@ def run_sweep(
         with ExitStack() as stack:
             for router in routers:
                 stack.enter_context(router.sweeping(value))
-            add(method, value)
+            add(swept, value)
         if oracle and kind.sweep_setting_is_angle:
             model.set_oracle(value)
             try:
