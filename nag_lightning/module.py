@@ -77,6 +77,8 @@ class NAGLanguageModel(L.LightningModule):
         weight_decay: AdamW weight decay of matrices (gains, scalars and embeddings get none).
         betas: AdamW betas.
         aux_loss_weight: weight of the routers' auxiliary losses in the training loss.
+        activation_checkpointing: run each block's forward again during backward instead of
+            keeping its activations: less memory for about one more forward pass of compute.
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class NAGLanguageModel(L.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         aux_loss_weight: float = 1.0,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -112,7 +115,7 @@ class NAGLanguageModel(L.LightningModule):
             residual_options=dict(residual_options or {}), router=router,
             router_options=dict(router_options or {}),
             route_kinds=list(route_kinds or SUBLAYER_KINDS), route_layers=route_layers,
-            init_std=init_std, embed_std=embed_std,
+            init_std=init_std, embed_std=embed_std, activation_checkpointing=activation_checkpointing,
         )
         if lr <= 0 or warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
             raise ValueError(
@@ -190,6 +193,11 @@ class NAGLanguageModel(L.LightningModule):
         if self.hparams.router != "none":
             self.log("train/aux_loss", aux)
         return loss + self.hparams.aux_loss_weight * aux
+
+    def on_after_backward(self) -> None:
+        """Routers learn thresholds outside the gradients; with activation checkpointing they
+        apply them here, once backward has run every block's forward again."""
+        self.model.apply_router_updates()
 
     def _resume_advice(self) -> str:
         """Where a diverged run can be resumed from: the newest checkpoint on disk (the CLI's
