@@ -136,6 +136,14 @@ class NAGLanguageModel(L.LightningModule):
         self._tokenizer_from_data = False
         self.register_buffer("token_bytes", None, persistent=False)  # None: one byte per token
 
+    def configure_model(self) -> None:
+        """Under Lightning's ModelParallelStrategy, shard the model with FSDP2 (one unit per block,
+        `nag_lightning.sharding`); other strategies wrap the model themselves."""
+        if self.device_mesh is not None:
+            from nag_lightning.sharding import fully_shard_transformer
+
+            fully_shard_transformer(self.model, self.device_mesh)
+
     def setup(self, stage: str) -> None:
         """Take the data's tokenizer; refuse a vocabulary smaller than its token ids, before an
         embedding lookup fails on the first batch."""
