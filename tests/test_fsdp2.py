@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import yaml
 
 from nag_lightning.callbacks import FlopAccounting, RunCheckpoint
 from nag_lightning.model import Block
-from tests.test_scale import BATCH, SEQ, Record, loader, quiet
+from tests.test_scale import BATCH, SEQ, Record, loader, quiet, two_rank_reports
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "scale" / "fsdp2.yaml"
@@ -88,12 +87,7 @@ def worker(out: Path) -> None:
 
 
 def test_fsdp2_two_processes_train_and_resume_from_sharded_and_full_checkpoints(tmp_path):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    result = subprocess.run([sys.executable, "-m", "tests.test_fsdp2", str(tmp_path)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = two_rank_reports("tests.test_fsdp2", tmp_path, timeout=300)
     for rank in ranks:
         first = rank["sharded"]["uninterrupted"]
         assert len(first) == 4 and first[-1] < first[0] - 0.5  # it trained
