@@ -9,7 +9,6 @@ the second rank by running the same command again.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -132,9 +131,8 @@ def test_fully_shard_makes_every_block_a_unit():
     from nag_lightning.model import Transformer, TransformerConfig
     from nag_lightning.sharding import fully_shard_transformer
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # An in-memory store: no port, and nothing left in the environment for later child processes.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
         torch.manual_seed(0)
