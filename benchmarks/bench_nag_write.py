@@ -73,11 +73,12 @@ def bytes_moved(rows: int, d: int, dtype: torch.dtype, backward: bool) -> int:
     return fwd + bwd
 
 
-def copy_bandwidth_gbs(device: str) -> float:
-    """GB/s of a 1 GiB device-to-device copy_: one read and one write per byte."""
-    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+def copy_bandwidth_gbs(device: str, nbytes: int = 2**30, bench=triton.testing.do_bench) -> float:
+    """GB/s of a device-to-device copy_ of `nbytes` (1 GiB): one read and one write per byte.
+    `bench(fn)` returns milliseconds per call (triton's do_bench; another timer off CUDA)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src))
+    ms = bench(lambda: dst.copy_(src))
     return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
@@ -90,11 +91,15 @@ def implementations() -> dict:
     }
 
 
-def time_one(impl, rows: int, d: int, dtype: torch.dtype, backward: bool, device: str = "cuda") -> float:
+def time_one(
+    impl, rows: int, d: int, dtype: torch.dtype, backward: bool, device: str = "cuda",
+    bench=triton.testing.do_bench,
+) -> float:
+    """Milliseconds per call of `impl` (forward, or forward + backward), timed by `bench`."""
     x = make_inputs(rows, d, dtype, device, requires_grad=backward)
     if not backward:
         with torch.no_grad():
-            return triton.testing.do_bench(lambda: impl(x))
+            return bench(lambda: impl(x))
     gen = torch.Generator(device=device).manual_seed(1)
     gu = torch.randn(rows, d, device=device, generator=gen).to(dtype)
     gh = torch.randn(rows, d, device=device, generator=gen).to(dtype)
@@ -104,7 +109,7 @@ def time_one(impl, rows: int, d: int, dtype: torch.dtype, backward: bool, device
         u_new, rho_new, _, h_next = impl(x)
         torch.autograd.backward([u_new, rho_new, h_next], [gu, grho, gh])
 
-    return triton.testing.do_bench(step, grad_to_none=list(x.values()))
+    return bench(step, grad_to_none=list(x.values()))
 
 
 def run_gpu(rows: int, dims: list[int], dtypes: list[str], device: str = "cuda") -> None:

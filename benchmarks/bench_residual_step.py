@@ -28,12 +28,14 @@ from nag_lightning import Transformer, TransformerConfig
 from nag_lightning.residuals import RESIDUALS
 
 
-def build(residual: str, args: argparse.Namespace) -> tuple[Transformer, torch.optim.Optimizer]:
+def build(residual: str, args: argparse.Namespace, **config) -> tuple[Transformer, torch.optim.Optimizer]:
+    """The model (`config`: further TransformerConfig fields, e.g. a router) and its AdamW."""
     torch.manual_seed(0)
     cfg = TransformerConfig(
         d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, seq_len=args.seq_len,
         residual=residual,
         residual_options={"kernel": args.kernel, **json.loads(args.nag_options)} if residual == "nag" else {},
+        **config,
     )
     model = Transformer(cfg).to(args.device)
     model.strategy.project_weights(model)
@@ -48,8 +50,8 @@ def autocast(args: argparse.Namespace):
 
 def step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tensor, args) -> None:
     with autocast(args):
-        logits = model(batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        out = model(batch[:, :-1])  # a router's auxiliary loss trains it, as in training
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), batch[:, 1:].flatten()) + out.aux_loss
     loss.backward()
     optimizer.step()
     model.strategy.project_weights(model)

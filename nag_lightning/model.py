@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from nag_lightning.kv_cache import CachedPass, KVCache
 from nag_lightning.residuals import ResidualStrategy, State, build_residual
@@ -32,7 +33,8 @@ from nag_lightning.routers import Route, Router, build_router
 SUBLAYER_KINDS = ("attn", "mlp")
 
 
-RESUMABLE_CHANGES = ("seq_len", "residual_options", "router_options", "init_std", "embed_std", "rope_base")
+RESUMABLE_CHANGES = ("seq_len", "residual_options", "router_options", "init_std", "embed_std", "rope_base",
+                     "activation_checkpointing")
 """The settings a run may resume with changed: the checkpoint's weights fit either way."""
 
 
@@ -63,6 +65,9 @@ class TransformerConfig:
             bits per byte worse under it (docs/results.md, "Init").
         embed_std: standard deviation of the token embedding at init.
         rope_base: rotary embedding base.
+        activation_checkpointing: keep only each block's input in training and run its forward
+            again during backward (`torch.utils.checkpoint`), trading that compute for the
+            activation memory of every block.
     """
 
     vocab_size: int = 256
@@ -80,6 +85,7 @@ class TransformerConfig:
     init_std: float | None = None
     embed_std: float = 1.0
     rope_base: float = 10000.0
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -398,6 +404,7 @@ class Transformer(nn.Module):
                     if cfg.is_routed(index)
                     else build_router("none", cfg.d_model)
                 )
+                router.defer_updates = cfg.activation_checkpointing  # see stream()
                 sublayers.append(Sublayer(kind, index, compute, router))
             blocks.append(Block(*sublayers))
         self.blocks = nn.ModuleList(blocks)
@@ -446,10 +453,26 @@ class Transformer(nn.Module):
     def stream(self, idx: Tensor, cached: CachedPass | None = None) -> State:
         """The residual state (B, T, ...) after the last block, for token ids idx (B, T); with
         `cached`, idx holds new tokens only and the earlier ones are in its KV caches."""
+        self.apply_router_updates()
         state = self.strategy.init_state(self.embed(idx))
         for block in self.blocks:
-            state = block(state, self.strategy) if cached is None else block(state, self.strategy, cached)
+            if cached is not None:
+                state = block(state, self.strategy, cached)
+            elif self.cfg.activation_checkpointing and torch.is_grad_enabled():
+                # Backward runs the block again, routers included: their state updates wait
+                # (`Router.defer_updates`) until `apply_router_updates` after backward, so the
+                # second pass routes exactly as the first.
+                state = checkpoint(block, state, self.strategy, use_reentrant=False)
+            else:
+                state = block(state, self.strategy)
         return state
+
+    def apply_router_updates(self) -> None:
+        """Apply the routers' state updates that the last training forward left pending (with
+        activation checkpointing; without it, routers apply them at once). Training calls it after
+        each backward; the next forward pass calls it too, so a plain training loop needs nothing."""
+        for sublayer in self.sublayers:
+            sublayer.router.apply_update()
 
     def readout(self, state: State) -> Tensor:
         """Logits (..., vocab) of the residual state of any tokens (..., ...)."""

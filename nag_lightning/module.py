@@ -99,6 +99,14 @@ class NAGLanguageModel(L.LightningModule):
         self._tokenizer_from_data = False
         self.register_buffer("token_bytes", None, persistent=False)  # None: one byte per token
 
+    def configure_model(self) -> None:
+        """Under Lightning's ModelParallelStrategy, shard the model with FSDP2 (one unit per block,
+        `nag_lightning.sharding`); other strategies wrap the model themselves."""
+        if self.device_mesh is not None:
+            from nag_lightning.sharding import fully_shard_transformer
+
+            fully_shard_transformer(self.model, self.device_mesh)
+
     def setup(self, stage: str) -> None:
         """Take the data's tokenizer; refuse a vocabulary smaller than its token ids, before an
         embedding lookup fails on the first batch."""
@@ -156,6 +164,11 @@ class NAGLanguageModel(L.LightningModule):
         if self.routed:
             self.log("train/aux_loss", aux)
         return loss + self.hparams.aux_loss_weight * aux
+
+    def on_after_backward(self) -> None:
+        """Routers learn thresholds outside the gradients; with activation checkpointing they
+        apply them here, once backward has run every block's forward again."""
+        self.model.apply_router_updates()
 
     def _resume_advice(self) -> str:
         """Where a diverged run can be resumed from: the newest checkpoint on disk (the CLI's

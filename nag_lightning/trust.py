@@ -58,6 +58,13 @@ def read_checkpoint(path: str | Path | IO[bytes], map_location: Any = "cpu") -> 
         path.seek(start)
         return checkpoint
     path = str(path)
+    if not is_remote(path) and Path(path).is_dir():
+        raise ValueError(
+            f"The checkpoint {path} is a folder, a sharded checkpoint, which this command does not "
+            "read (torch.distributed.checkpoint would unpickle its non-tensor entries in full); "
+            "train with a strategy that writes one file (ModelParallelStrategy with "
+            "save_distributed_checkpoint: false, FSDPStrategy with state_dict_type: full)."
+        )
     if not is_remote(path) and not Path(path).is_file():
         raise FileNotFoundError(
             f"The checkpoint {path} does not exist; give the path of a .ckpt file written by an "

@@ -124,13 +124,19 @@ def ddp_worker(out: Path) -> None:
     }))
 
 
-def test_ddp_two_processes_sum_flops_and_agree_on_weights(tmp_path):
+def two_rank_reports(worker_module: str, out: Path, timeout: float = 240) -> list[dict]:
+    """Run `python -m worker_module OUT` (Lightning starts the second rank) and read the
+    `rank{0,1}.json` each rank wrote into OUT."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
-    result = subprocess.run([sys.executable, "-m", "tests.test_scale", str(tmp_path)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run([sys.executable, "-m", worker_module, str(out)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_ddp_two_processes_sum_flops_and_agree_on_weights(tmp_path):
+    ranks = two_rank_reports("tests.test_scale", tmp_path)
     # The routed counts depend on each rank's data, so the ranks did different work ...
     assert ranks[0]["local_forward"] != ranks[1]["local_forward"]
     # ... and the logged global total is the sum of both, step by step and in the end.

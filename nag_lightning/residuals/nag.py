@@ -90,6 +90,11 @@ class NAGResidual(ResidualStrategy):
         return {name: getattr(self, name) for name in self.SETTINGS}
 
     def set_extra_state(self, state: dict) -> None:
+        if not isinstance(state, dict):
+            # torch.distributed.checkpoint's placeholder for an extra state it does not load
+            # (Lightning's ModelParallelStrategy reads a consolidated checkpoint one parameter at
+            # a time): the settings stay the ones this model was built with, from the same run.
+            return
         for name, value in state.items():
             if self._given.get(name) and value != getattr(self, name):
                 raise ValueError(

@@ -5,7 +5,9 @@ sublayer and the gate g each executed token writes with. The sublayer wrapper ga
 tokens, runs the sublayer on them alone and scatters the results back, so skipped tokens cost no
 compute. After the write the wrapper hands the router the measured contribution angle of the
 executed tokens (`observe`), which a router may learn from; its auxiliary loss is added to the LM
-loss and its statistics are logged.
+loss and its statistics are logged. State it learns outside gradients (a threshold) is computed in
+`observe` and written by `apply_update`, so a forward pass that activation checkpointing runs again
+in backward computes the same update and applies nothing twice.
 
 One router instance serves one sublayer. Which sublayers are routed (kinds, layers) is the model's
 choice, so every router gets it for free.
@@ -74,6 +76,10 @@ class Router(nn.Module):
         super().__init__()
         self.d_model = d_model
         self.aux_loss: Tensor = torch.zeros(())
+        # With activation checkpointing a block's forward runs again during backward, so a router
+        # that learns state (not parameters) in `observe` must leave that state alone until the
+        # step's backward is done: the model sets this, and calls `apply_update` after backward.
+        self.defer_updates = False
 
     def forward(self, h: Tensor) -> Route:
         """Decide from the read input h (B, T, d) which tokens run the sublayer."""
@@ -98,6 +104,12 @@ class Router(nn.Module):
         """Learn from the write: `contribution` (B, T) is the measured angle (0 where skipped).
         Sets `self.aux_loss` for this forward pass."""
         self.aux_loss = h.new_zeros(())
+
+    def apply_update(self) -> None:
+        """Apply the state update (buffers such as thresholds) the last training `observe`
+        computed; nothing when none is pending. `observe` calls it itself unless `defer_updates`.
+        A router whose `observe` updates state must compute the update from the state as it was
+        at the start of the forward pass, so that running the pass again changes nothing."""
 
     def flops_per_token(self) -> int:
         """Forward FLOPs (2 x multiply-adds) the router spends per token it scores, for accounting,

@@ -13,8 +13,9 @@ The decision reads only the token's own state, so it is causal by construction, 
 evaluation and generation alike, and a post-training sweep of tau traces the accuracy/compute
 curve. tau is fixed, or, with `target_rate`, adapted during training so the sublayer skips that
 fraction of tokens. Training then decides with a live threshold that a controller moves after
-every forward pass, tau_live *= exp(gain * spread * (target_rate - rate)), rate being the fraction
-of the batch predicted below it and spread the batch's standard deviation of log theta_hat (a
+every training forward pass (computed in `observe`, written by `apply_update`),
+tau_live *= exp(gain * spread * (target_rate - rate)), rate being the fraction of the batch
+predicted below it and spread the batch's standard deviation of log theta_hat (a
 Robbins-Monro estimate of the quantile: right on average over batches, not fitted to any one).
 Evaluation and generation decide with `tau`, a running average of each training batch's own
 target threshold (where the target share of it lies), not of tau_live: the controller is right on
@@ -146,6 +147,7 @@ class ThresholdRouter(Router):
         self.register_buffer("steps", torch.tensor(0, dtype=torch.long))
         self._steps_seen: int | None = None  # host copy of `steps`: routing needs no device sync
         self._theta_hat: Tensor | None = None
+        self._pending: dict[str, Tensor] | None = None  # computed by observe, not yet applied
         self._stats: dict[str, Tensor] = {}
 
     def _steps(self) -> int:
@@ -156,16 +158,20 @@ class ThresholdRouter(Router):
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         super()._load_from_state_dict(*args, **kwargs)
         self._steps_seen = None  # re-read the loaded buffer
+        self._pending = None  # an update of the state replaced
 
-    def predict(self, h: Tensor) -> Tensor:
-        """theta_hat (...) in radians from the read input h (..., d); no gradient reaches h."""
-        z = self.probe(h.detach()).squeeze(-1).float() + self.bias_offset
+    def predict(self, h: Tensor, bias_offset: Tensor | None = None) -> Tensor:
+        """theta_hat (...) in radians from the read input h (..., d); no gradient reaches h.
+        `bias_offset` replaces the calibrated offset (the one a pending update computed)."""
+        offset = self.bias_offset if bias_offset is None else bias_offset
+        z = self.probe(h.detach()).squeeze(-1).float() + offset
         return F.softplus(z)
 
-    def threshold(self) -> Tensor:
-        """The tau this forward pass decides with."""
+    def threshold(self, values: dict[str, Tensor] | None = None) -> Tensor:
+        """The tau this forward pass decides with (of `values`, an update, when given)."""
         adapting = self.training and self.target_rate is not None
-        return self.tau_live if adapting else self.tau
+        values = values or {"tau": self.tau, "tau_live": self.tau_live}
+        return values["tau_live"] if adapting else values["tau"]
 
     def forward(self, h: Tensor) -> Route:
         theta_hat = self.predict(h)  # (B, T)
@@ -175,47 +181,64 @@ class ThresholdRouter(Router):
         return Route(executed=theta_hat.detach() >= self.threshold())
 
     def observe(self, h: Tensor, route: Route, contribution: Tensor | None) -> None:
-        """Regress theta_hat on the executed tokens' measured angle; move tau toward the target."""
+        """Regress theta_hat on the executed tokens' measured angle; compute the move of tau toward
+        the target and of the calibration, and apply it unless `defer_updates` (`apply_update`)."""
         theta_hat, self._theta_hat = self._theta_hat, None
         executed = route.executed
         if not self.training or contribution is None or theta_hat is None:
             self.aux_loss = h.new_zeros((), dtype=torch.float)
-            self._record(theta_hat, contribution, executed, None)
+            self._record(theta_hat, contribution, executed, None, self.threshold())
             return
         target = contribution.detach().float()
         mask = torch.ones_like(target, dtype=torch.bool) if executed is None else executed
-        self._calibrate(theta_hat.detach(), target, mask)
-        theta_hat = self.predict(h)
+        # The new buffer values, computed from the current ones without touching them, so a
+        # forward pass run again (activation checkpointing) computes the same update.
+        update = {"tau": self.tau, "tau_live": self.tau_live, "bias_offset": self.bias_offset}
+        self._calibrate(update, theta_hat.detach(), target, mask)
+        theta_hat = self.predict(h, update["bias_offset"])
         error = (theta_hat - target).square()
         self.aux_loss = (error * mask).sum() / mask.sum().clamp_min(1)
         if self.target_rate is not None:
-            self._track_tau(theta_hat.detach())
-        self.steps += 1
-        self._steps_seen = self._steps() + 1
-        self._record(theta_hat, contribution, executed, self.aux_loss)
+            self._track_tau(update, theta_hat.detach())
+        self._pending = update
+        self._record(theta_hat, contribution, executed, self.aux_loss, self.threshold(update))
+        if not self.defer_updates:
+            self.apply_update()
 
     @torch.no_grad()
-    def _calibrate(self, theta_hat: Tensor, target: Tensor, mask: Tensor) -> None:
+    def apply_update(self) -> None:
+        """Write the thresholds and calibration the last training forward computed; count the step."""
+        if self._pending is None:
+            return
+        for name, value in self._pending.items():
+            getattr(self, name).copy_(value)
+        self.steps += 1
+        self._steps_seen = self._steps() + 1
+        self._pending = None
+
+    @torch.no_grad()
+    def _calibrate(self, update: dict[str, Tensor], theta_hat: Tensor, target: Tensor, mask: Tensor) -> None:
         """Move b's offset so the mean prediction on executed tokens approaches their mean
         measured angle, in softplus-inverse space; the first batch sets it outright. An adapting
-        threshold moves with it, so calibration alone leaves the skipped fraction unchanged."""
+        threshold moves with it, so calibration alone leaves the skipped fraction unchanged.
+        Writes the new values into `update`."""
         count = mask.sum().clamp_min(1)  # no executed token: both means clamp alike, no shift
         measured = ((target * mask).sum() / count).clamp_min(1e-6)
         predicted = ((theta_hat * mask).sum() / count).clamp_min(1e-6)
         weight = 1.0 if self._steps() == 0 else self.calibration
         shift = weight * (inverse_softplus(measured) - inverse_softplus(predicted))
-        self.bias_offset += shift
+        update["bias_offset"] = update["bias_offset"] + shift
         if self.target_rate is not None and self._steps() > 0:
-            for tau in (self.tau_live, self.tau):
-                tau.copy_(F.softplus(inverse_softplus(tau.clamp_min(1e-12)) + shift))
+            for name in ("tau_live", "tau"):
+                update[name] = F.softplus(inverse_softplus(update[name].clamp_min(1e-12)) + shift)
 
     @torch.no_grad()
-    def _track_tau(self, theta_hat: Tensor) -> None:
+    def _track_tau(self, update: dict[str, Tensor], theta_hat: Tensor) -> None:
         """One Robbins-Monro step of `tau_live` toward the target quantile of theta_hat, in log
         space and scaled by the batch's spread of log theta_hat, so a step moves the same share of
         the distribution however wide it is. `tau` averages (in log space) the batch's own target
         quantile (`_batch_threshold`), the threshold that would have skipped the target share of
-        it. The first update starts both there.
+        it. The first update starts both there. Writes the new values into `update`.
 
         Why `tau` does not average `tau_live`: the controller is right on average over batches,
         not at any one threshold. Where theta_hat is narrow or has gaps (tokens at theta_max, a
@@ -227,16 +250,15 @@ class ThresholdRouter(Router):
         values = theta_hat.flatten()
         quantile = self._batch_threshold(values)
         if self._steps() == 0:
-            self.tau_live.copy_(quantile)
-            self.tau.copy_(quantile)
+            update["tau_live"] = update["tau"] = quantile
             return
-        rate = (values < self.tau_live).float().mean()
+        rate = (values < update["tau_live"]).float().mean()
         spread = values.clamp_min(1e-12).log().std().nan_to_num(0.0)
-        self.tau_live.mul_(torch.exp(self.tau_gain * spread * (self.target_rate - rate)))
-        self.tau_live.clamp_(min=1e-12)
+        step = torch.exp(self.tau_gain * spread * (self.target_rate - rate))
+        update["tau_live"] = (update["tau_live"] * step).clamp(min=1e-12)
         weight = max(self.tau_average, 1.0 / (self._steps() + 1))
-        log_tau = torch.lerp(self.tau.clamp_min(1e-12).log(), quantile.log(), weight)
-        self.tau.copy_(log_tau.exp())
+        log_tau = torch.lerp(update["tau"].clamp_min(1e-12).log(), quantile.log(), weight)
+        update["tau"] = log_tau.exp()
 
     def _batch_threshold(self, values: Tensor) -> Tensor:
         """A threshold that skips the target share of this batch's predictions, to within
@@ -263,9 +285,10 @@ class ThresholdRouter(Router):
 
     @torch.no_grad()
     def _record(
-        self, theta_hat: Tensor | None, angle: Tensor | None, executed: Tensor | None, loss: Tensor | None
+        self, theta_hat: Tensor | None, angle: Tensor | None, executed: Tensor | None,
+        loss: Tensor | None, tau: Tensor,
     ) -> None:
-        self._stats = {"tau": self.threshold().clone()}
+        self._stats = {"tau": tau.clone()}
         if loss is not None:
             self._stats["predictor_mse"] = loss.detach()
         if theta_hat is not None and angle is not None:
