@@ -24,6 +24,7 @@ from torchmetrics import MeanMetric
 from nag_lightning import tokenizer as tokenizers
 from nag_lightning.callbacks.budget import FlopBudget
 from nag_lightning.callbacks.projection import WeightProjection
+from nag_lightning.compile import compile_model
 from nag_lightning.model import SUBLAYER_KINDS, Transformer, TransformerConfig
 from nag_lightning.residuals import ResidualStrategy
 from nag_lightning.tokenizer import Tokenizer
@@ -77,6 +78,8 @@ class NAGLanguageModel(L.LightningModule):
         weight_decay: AdamW weight decay of matrices (gains, scalars and embeddings get none).
         betas: AdamW betas.
         aux_loss_weight: weight of the routers' auxiliary losses in the training loss.
+        compile: compile the model with torch.compile when the Trainer sets it up
+            (`nag_lightning.compile`); the state dict and checkpoints are unchanged.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class NAGLanguageModel(L.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         aux_loss_weight: float = 1.0,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -132,6 +136,12 @@ class NAGLanguageModel(L.LightningModule):
         self.tokenizer: Tokenizer = Tokenizer()
         self._tokenizer_from_data = False
         self.register_buffer("token_bytes", None, persistent=False)  # None: one byte per token
+
+    def configure_model(self) -> None:
+        """Compile the model when asked: here, the Trainer's hook for changing the model once the
+        strategy has placed it, so compiling follows any sharding."""
+        if self.hparams.compile and self.model._compiled_call_impl is None:
+            compile_model(self.model)
 
     def setup(self, stage: str) -> None:
         """Take the data's tokenizer; refuse a vocabulary smaller than its token ids, before an
