@@ -62,7 +62,8 @@ def row_scale(f: torch.Tensor) -> torch.Tensor:
     of squares of the scaled row cannot overflow or underflow, for any finite f. The kernels take
     the same value from the exponent bits of max|f|. It is a constant of the computation (every
     output is invariant to it), so it carries no gradient."""
-    peak = f.detach().abs().amax(-1)
+    f = f.detach()
+    peak = torch.maximum(f.amax(-1), -f.amin(-1))  # max|f| without a tensor of |f|
     _, exponent = torch.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [0.5, 1)
     one = torch.ones_like(peak)
     return torch.where(peak >= torch.finfo(peak.dtype).tiny, torch.ldexp(one, exponent - 1), one)
@@ -113,9 +114,9 @@ def nag_write_reference(
     # Work on f / m (m = row_scale(f), a power of two), so ||f_perp||^2 cannot overflow however
     # large f is: n = m * ||f_perp / m|| and f_perp / n = (f_perp / m) / (n / m).
     m = row_scale(f32)  # (...,)
-    f_hat = f32 / m[..., None]  # (..., d), exact: m is a power of two
-    a_hat = (f_hat * u32).sum(-1)  # (...,)
-    f_perp_hat = f_hat - a_hat[..., None] * u32  # (..., d)
+    f_hat = f32 * (1 / m)[..., None]  # (..., d), exact: m and 1 / m are powers of two
+    a_hat = torch.linalg.vecdot(f_hat, u32)  # (...,)
+    f_perp_hat = torch.addcmul(f_hat, a_hat[..., None], u32, value=-1)  # f_hat - a_hat u, (..., d)
     n_hat = torch.linalg.vector_norm(f_perp_hat, dim=-1)  # (...,)
     a, n = m * a_hat, m * n_hat
     theta = bound_angle(k * n, theta_max, bound)
@@ -126,7 +127,7 @@ def nag_write_reference(
     n_hat_safe = torch.where(small, torch.ones_like(n_hat), n_hat)
     s_hat = torch.where(small, k * m, torch.sin(theta) / n_hat_safe)
 
-    raw = torch.cos(theta)[..., None] * u32 + s_hat[..., None] * f_perp_hat  # (..., d)
+    raw = torch.addcmul(torch.cos(theta)[..., None] * u32, s_hat[..., None], f_perp_hat)  # (..., d)
     norm_u = torch.linalg.vector_norm(u32, dim=-1)
     norm_raw = torch.linalg.vector_norm(raw, dim=-1)
     norm_raw_safe = torch.where(norm_raw > 0, norm_raw, torch.ones_like(norm_raw))
