@@ -66,21 +66,6 @@ def test_opcheck_fused():
     torch.library.opcheck(nag_write_op, args)
 
 
-@pytest.mark.parametrize("bound", BOUNDS)
-def test_op_backward_matches_gradcheck(bound):
-    """The operator's written-out backward in float64, by finite differences (the kernel's formulas
-    vectorised; autograd through the reference is checked the same way in test_kernels.py)."""
-    u, f, rho, g, alpha, beta, theta_max, gamma_next, _, _ = op_args(
-        gate=True, gamma=True, bound=bound, dtype=torch.float64
-    )
-    f = (f.detach() * torch.tensor([1.0, 1e-3, 1e-5]).view(1, 3, 1).double()).requires_grad_()
-
-    def fn(u, f, rho, g, alpha, beta, gamma_next):
-        return nag_write(u, f, rho, g, alpha, beta, theta_max, gamma_next, backend="torch", bound=bound)
-
-    assert torch.autograd.gradcheck(fn, (u, f, rho, g, alpha, beta, gamma_next), atol=1e-5)
-
-
 def write_and_loss(u, f, rho, g, alpha, beta):
     u_new, rho_new, theta, _ = nag_write(u, f, rho, g, alpha, beta, 0.5, backend="torch")
     return (u_new * torch.arange(8.0)).sum() + rho_new.square().sum() + theta.sum()
