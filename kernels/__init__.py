@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from .reference import BOUNDS, EPS, RecomputedReference, nag_write_reference
+from .reference import BOUNDS, EPS, nag_write_reference
 
-__all__ = ["BACKENDS", "BOUNDS", "EPS", "nag_write", "nag_write_reference"]
+__all__ = [
+    "BACKENDS", "BOUNDS", "EPS", "nag_write", "nag_write_backward_op", "nag_write_op", "nag_write_reference",
+]
 
 BACKENDS = ("auto", "triton", "torch")
 """auto: the Triton kernel for CUDA tensors of a dtype it takes, else the reference;
@@ -26,6 +28,8 @@ try:
     from . import nag_write as _triton_ops  # imports triton
 except ImportError:  # no triton on this machine: the reference still works
     _triton_ops = None
+
+from .ops import nag_write_backward_op, nag_write_op  # noqa: E402  (after the submodule, see above)
 
 
 def _as_scalar(x: torch.Tensor | float, like: torch.Tensor, name: str) -> torch.Tensor:
@@ -101,13 +105,9 @@ def nag_write(
             and _triton_ops is not None
         )
         backend = "triton" if use_triton else "torch"
-    if backend == "torch":
-        inputs = (u, f, rho, g, alpha, beta, gamma_next)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-            return RecomputedReference.apply(u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound)
-        return nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
-    if _triton_ops is None:
+    if backend == "triton" and _triton_ops is None:
         raise ImportError("backend='triton' needs the triton package, which is not installed.")
-    return _triton_ops.NagWriteFunction.apply(
-        u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound
+    u_new, rho_new, theta, h_next = nag_write_op(
+        u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound, backend == "triton"
     )
+    return u_new, rho_new, theta, None if gamma_next is None else h_next

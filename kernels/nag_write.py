@@ -16,7 +16,8 @@ Anatomy, as in Liger-Kernel:
   block of rows and keeps the per-channel gamma gradient and the alpha/beta gradients in
   registers; the host sums the per-program partials (Liger's RMSNorm backward does the same).
 - `nag_write_forward` / `nag_write_backward`: host launchers that flatten to (rows, d).
-- `NagWriteFunction`: the autograd.Function tying them together.
+- `ops.py` registers them as the operators `torch.ops.nag_kernels.nag_write` and its backward,
+  with the autograd formula tying them together.
 """
 
 from __future__ import annotations
@@ -358,30 +359,3 @@ def nag_write_backward(saved, theta_max, grads, bound="tanh"):
     dgamma = None if dgamma is None else dgamma.sum(0).to(gamma.dtype)
     return du, df, dg, dalpha, dbeta, dgamma
 
-
-class NagWriteFunction(torch.autograd.Function):
-    """autograd.Function over the fused kernels; see `nag_kernels.nag_write` for the arguments."""
-
-    @staticmethod
-    def forward(ctx, u, f, rho, g, alpha, beta, theta_max, gamma_next, bound):
-        outs, saved = nag_write_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
-        ctx.save_for_backward(*saved)
-        ctx.theta_max, ctx.bound = theta_max, bound
-        ctx.shapes = (u.shape, f.shape, None if g is None else g.shape)
-        ctx.rho_dtype = rho.dtype
-        # Unused outputs (theta, usually) get no gradient tensor; the kernel skips their loads.
-        ctx.set_materialize_grads(False)
-        return outs
-
-    @staticmethod
-    def backward(ctx, gu, grho, gtheta, gh):
-        if all(t is None for t in (gu, grho, gtheta, gh)):
-            return (None,) * 9
-        u_shape, f_shape, g_shape = ctx.shapes
-        du, df, dg, dalpha, dbeta, dgamma = nag_write_backward(
-            ctx.saved_tensors, ctx.theta_max, (gu, grho, gtheta, gh), ctx.bound
-        )
-        # rho' = rho + (terms without rho): its gradient passes straight through.
-        drho = None if grho is None else grho.to(ctx.rho_dtype)
-        dg = None if dg is None else dg.view(g_shape)
-        return du.view(u_shape), df.view(f_shape), drho, dg, dalpha, dbeta, None, dgamma, None

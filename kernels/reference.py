@@ -62,7 +62,8 @@ def row_scale(f: torch.Tensor) -> torch.Tensor:
     of squares of the scaled row cannot overflow or underflow, for any finite f. The kernels take
     the same value from the exponent bits of max|f|. It is a constant of the computation (every
     output is invariant to it), so it carries no gradient."""
-    peak = f.detach().abs().amax(-1)
+    f = f.detach()
+    peak = torch.maximum(f.amax(-1), -f.amin(-1))  # max|f| without a tensor of |f|
     _, exponent = torch.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [0.5, 1)
     one = torch.ones_like(peak)
     return torch.where(peak >= torch.finfo(peak.dtype).tiny, torch.ldexp(one, exponent - 1), one)
@@ -113,9 +114,9 @@ def nag_write_reference(
     # Work on f / m (m = row_scale(f), a power of two), so ||f_perp||^2 cannot overflow however
     # large f is: n = m * ||f_perp / m|| and f_perp / n = (f_perp / m) / (n / m).
     m = row_scale(f32)  # (...,)
-    f_hat = f32 / m[..., None]  # (..., d), exact: m is a power of two
-    a_hat = (f_hat * u32).sum(-1)  # (...,)
-    f_perp_hat = f_hat - a_hat[..., None] * u32  # (..., d)
+    f_hat = f32 * (1 / m)[..., None]  # (..., d), exact: m and 1 / m are powers of two
+    a_hat = torch.linalg.vecdot(f_hat, u32)  # (...,)
+    f_perp_hat = torch.addcmul(f_hat, a_hat[..., None], u32, value=-1)  # f_hat - a_hat u, (..., d)
     n_hat = torch.linalg.vector_norm(f_perp_hat, dim=-1)  # (...,)
     a, n = m * a_hat, m * n_hat
     theta = bound_angle(k * n, theta_max, bound)
@@ -126,7 +127,7 @@ def nag_write_reference(
     n_hat_safe = torch.where(small, torch.ones_like(n_hat), n_hat)
     s_hat = torch.where(small, k * m, torch.sin(theta) / n_hat_safe)
 
-    raw = torch.cos(theta)[..., None] * u32 + s_hat[..., None] * f_perp_hat  # (..., d)
+    raw = torch.addcmul(torch.cos(theta)[..., None] * u32, s_hat[..., None], f_perp_hat)  # (..., d)
     norm_u = torch.linalg.vector_norm(u32, dim=-1)
     norm_raw = torch.linalg.vector_norm(raw, dim=-1)
     norm_raw_safe = torch.where(norm_raw > 0, norm_raw, torch.ones_like(norm_raw))
@@ -138,40 +139,3 @@ def nag_write_reference(
         h_next = (math.sqrt(d) * u_new * gamma_next.to(ct)).to(u.dtype)
     return u_new.to(u.dtype), rho_new.to(rho.dtype), theta.to(rho.dtype), h_next
 
-
-class RecomputedReference(torch.autograd.Function):
-    """The reference with its backward recomputed from the inputs, as the fused kernel does.
-
-    Autograd through `nag_write_reference` keeps about a dozen (..., d) intermediates per write
-    alive until backward; this keeps only the inputs and runs the reference again, under autograd,
-    when the gradient is needed. Same values and gradients, a fraction of the activation memory,
-    one extra forward of an elementwise op. It is the path `nag_write(backend="torch")` takes when
-    gradients are needed.
-    """
-
-    @staticmethod
-    def forward(ctx, u, f, rho, g, alpha, beta, theta_max, gamma_next, bound):
-        ctx.theta_max, ctx.bound = theta_max, bound
-        ctx.set_materialize_grads(False)  # outputs that do not reach the loss give None, not zeros
-        ctx.save_for_backward(u, f, rho, g, alpha, beta, gamma_next)
-        return nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        saved = ctx.saved_tensors
-        inputs = [
-            None if t is None else t.detach().requires_grad_(needs)
-            for t, needs in zip(saved, (*ctx.needs_input_grad[:6], ctx.needs_input_grad[7]))
-        ]
-        u, f, rho, g, alpha, beta, gamma_next = inputs
-        with torch.enable_grad():
-            outputs = nag_write_reference(u, f, rho, g, alpha, beta, ctx.theta_max, gamma_next, ctx.bound)
-        pairs = [(o, go) for o, go in zip(outputs, grads) if o is not None and go is not None]
-        if not pairs:
-            return (None,) * 9
-        wanted = [t for t in inputs if t is not None and t.requires_grad]
-        computed = iter(torch.autograd.grad(
-            [o for o, _ in pairs], wanted, [go for _, go in pairs], allow_unused=True
-        ))
-        result = [next(computed) if t is not None and t.requires_grad else None for t in inputs]
-        return (*result[:6], None, result[6], None)

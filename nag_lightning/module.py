@@ -24,6 +24,7 @@ from torchmetrics import MeanMetric
 from nag_lightning import tokenizer as tokenizers
 from nag_lightning.callbacks.budget import FlopBudget
 from nag_lightning.callbacks.projection import WeightProjection
+from nag_lightning.compile import compile_model
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.residuals import ResidualStrategy
 from nag_lightning.saved_settings import check_architecture, saved_architecture
@@ -58,6 +59,8 @@ class NAGLanguageModel(L.LightningModule):
         weight_decay: AdamW weight decay of matrices (gains, scalars and embeddings get none).
         betas: AdamW betas.
         aux_loss_weight: weight of the routers' auxiliary losses in the training loss.
+        compile: compile the model with torch.compile when the Trainer sets it up
+            (`nag_lightning.compile`); the state dict and checkpoints are unchanged.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class NAGLanguageModel(L.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         aux_loss_weight: float = 1.0,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         # A copy (the default is shared); a checkpoint's hyperparameters hold the config as a dict.
@@ -100,12 +104,15 @@ class NAGLanguageModel(L.LightningModule):
         self.register_buffer("token_bytes", None, persistent=False)  # None: one byte per token
 
     def configure_model(self) -> None:
-        """Under Lightning's ModelParallelStrategy, shard the model with FSDP2 (one unit per block,
-        `nag_lightning.sharding`); other strategies wrap the model themselves."""
+        """Shard the model under Lightning's ModelParallelStrategy (FSDP2, one unit per block,
+        `nag_lightning.sharding`; other strategies wrap the model themselves), then compile it when
+        asked: this is the Trainer's hook for changing the model once the strategy has placed it."""
         if self.device_mesh is not None:
             from nag_lightning.sharding import fully_shard_transformer
 
             fully_shard_transformer(self.model, self.device_mesh)
+        if self.hparams.compile and self.model._compiled_call_impl is None:
+            compile_model(self.model)
 
     def setup(self, stage: str) -> None:
         """Take the data's tokenizer; refuse a vocabulary smaller than its token ids, before an

@@ -121,7 +121,8 @@ class NAGResidual(ResidualStrategy):
 
     def read(self, state: State, index: int) -> Tensor:
         u, _ = state
-        return math.sqrt(self.d_model) * u * self.gamma[index]
+        # the constant goes on the (d,) gain, not the (B, T, d) state: one full-size multiply, not two
+        return u * (math.sqrt(self.d_model) * self.gamma[index])
 
     def write(
         self, state: State, f: Tensor, gate: Tensor | None, index: int, need_angle: bool = True
@@ -135,7 +136,7 @@ class NAGResidual(ResidualStrategy):
 
     def final(self, state: State) -> tuple[Tensor, Tensor | None]:
         u, rho = state
-        features = math.sqrt(self.d_model) * u * self.gamma_out
+        features = u * (math.sqrt(self.d_model) * self.gamma_out)
         if not self.norm_lane_readout:
             return features, None
         return features, torch.exp(rho.clamp(-4.0, 4.0)).unsqueeze(-1)

@@ -1,0 +1,133 @@
+"""The NAG write as registered PyTorch operators: `torch.ops.nag_kernels.nag_write` and its backward.
+
+Registering the write with `torch.library` (rather than calling an `autograd.Function`) makes it
+an operator like any other: `torch.compile` puts one node in the graph instead of tracing into it
+(no graph break, no retracing of the Triton launch), AOTAutograd and FSDP see a single op with a
+registered backward, and fake tensors know its output shapes without running it.
+
+    nag_write(u, f, rho, g?, alpha, beta, theta_max, gamma_next?, bound, fused)
+        -> (u_new, rho_new, theta, h_next)            h_next is empty (0,) without gamma_next
+    nag_write_backward(u, f, g?, alpha, beta, theta_max, gamma_next?, bound, fused,
+                       grad_u?, grad_rho?, grad_theta?, grad_h?)
+        -> (du, df, dg, dalpha, dbeta, dgamma)        dg, dgamma empty without g, gamma_next
+
+`fused` picks the implementation: the Triton kernels of `nag_write.py` (CUDA tensors, or CPU
+tensors under TRITON_INTERPRET=1) or the PyTorch reference, with the kernel's backward formulas
+in PyTorch (`reference_backward.py`). `nag_kernels.nag_write` chooses it from the
+backend and the device (CUDA means fused), so on a GPU the op runs the kernels and on CPU the
+reference. Both save only the inputs for backward.
+
+Custom operators cannot return None, so an absent optional output is an empty tensor here; the
+public `nag_kernels.nag_write` turns it back into None.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .reference import nag_write_reference
+from .reference_backward import nag_write_reference_backward
+
+try:
+    from .nag_write import nag_write_backward as _fused_backward
+    from .nag_write import nag_write_forward as _fused_forward
+except ImportError:  # no triton: the reference still works
+    _fused_forward = _fused_backward = None
+
+FORWARD = "nag_kernels::nag_write"
+BACKWARD = "nag_kernels::nag_write_backward"
+
+
+def _absent(like: Tensor) -> Tensor:
+    return like.new_empty(0)
+
+
+def _need_triton() -> None:
+    if _fused_forward is None:
+        raise ImportError("backend='triton' needs the triton package, which is not installed.")
+
+
+@torch.library.custom_op(FORWARD, mutates_args=())
+def nag_write_op(
+    u: Tensor, f: Tensor, rho: Tensor, g: Tensor | None, alpha: Tensor, beta: Tensor,
+    theta_max: float, gamma_next: Tensor | None, bound: str, fused: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    if fused:
+        _need_triton()
+        outs, _ = _fused_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
+    else:
+        outs = nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
+    u_new, rho_new, theta, h_next = outs
+    if h_next is None:
+        h_next = _absent(u)
+    # contiguous, as the fake implementation promises, whatever the inputs' strides
+    return tuple(t.contiguous() for t in (u_new, rho_new, theta, h_next))
+
+
+@nag_write_op.register_fake
+def _(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, fused):
+    h_next = _absent(u) if gamma_next is None else u.new_empty(u.shape)
+    return u.new_empty(u.shape), rho.new_empty(rho.shape), rho.new_empty(rho.shape), h_next
+
+
+@torch.library.custom_op(BACKWARD, mutates_args=())
+def nag_write_backward_op(
+    u: Tensor, f: Tensor, g: Tensor | None, alpha: Tensor, beta: Tensor,
+    theta_max: float, gamma_next: Tensor | None, bound: str, fused: bool,
+    grad_u: Tensor | None, grad_rho: Tensor | None, grad_theta: Tensor | None, grad_h: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    grads = (grad_u, grad_rho, grad_theta, grad_h)
+    if fused:
+        _need_triton()
+        d = u.shape[-1]
+        saved = (  # what the kernel's forward saves: 2-D rows, flat gate, 0-dim gains
+            u.reshape(-1, d).contiguous(), f.reshape(-1, d).contiguous(),
+            None if g is None else g.reshape(-1).contiguous(),
+            alpha.reshape(()).contiguous(), beta.reshape(()).contiguous(),
+            None if gamma_next is None else gamma_next.contiguous(),
+        )  # fmt: skip
+        du, df, dg, dalpha, dbeta, dgamma = _fused_backward(saved, theta_max, grads, bound)
+        du, df = du.view(u.shape), df.view(f.shape)
+        dg = None if dg is None else dg.view(g.shape)
+        dalpha, dbeta = dalpha.view(alpha.shape), dbeta.view(beta.shape)
+    else:
+        du, df, dg, dalpha, dbeta, dgamma = nag_write_reference_backward(
+            u, f, g, alpha, beta, theta_max, gamma_next, bound, *grads
+        )
+    outs = (du, df, dg, dalpha, dbeta, dgamma)
+    like = (u, f, g, alpha, beta, gamma_next)
+    return tuple(_absent(u) if t is None else t.contiguous().view(x.shape) for t, x in zip(outs, like))
+
+
+@nag_write_backward_op.register_fake
+def _(u, f, g, alpha, beta, theta_max, gamma_next, bound, fused, grad_u, grad_rho, grad_theta, grad_h):
+    like = (u, f, g, alpha, beta, gamma_next)
+    return tuple(_absent(u) if t is None else t.new_empty(t.shape) for t in like)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, fused = inputs
+    ctx.save_for_backward(u, f, g, alpha, beta, gamma_next)
+    ctx.theta_max, ctx.bound, ctx.fused, ctx.rho_dtype = theta_max, bound, fused, rho.dtype
+    # Outputs that do not reach the loss (theta, usually) give None, and the kernel skips loading them.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_u, grad_rho, grad_theta, grad_h):
+    u, f, g, alpha, beta, gamma_next = ctx.saved_tensors
+    if gamma_next is None:
+        grad_h = None  # the empty placeholder output
+    if all(t is None for t in (grad_u, grad_rho, grad_theta, grad_h)):
+        return (None,) * 10
+    du, df, dg, dalpha, dbeta, dgamma = nag_write_backward_op(
+        u, f, g, alpha, beta, ctx.theta_max, gamma_next, ctx.bound, ctx.fused,
+        grad_u, grad_rho, grad_theta, grad_h,
+    )  # fmt: skip
+    # rho' = rho + (terms without rho): its gradient passes straight through.
+    drho = None if grad_rho is None else grad_rho.to(ctx.rho_dtype)
+    return (du, df, drho, None if g is None else dg, dalpha, dbeta, None,
+            None if gamma_next is None else dgamma, None, None)  # fmt: skip
+
+
+nag_write_op.register_autograd(_backward, setup_context=_setup_context)
