@@ -221,3 +221,27 @@ def test_bad_study_options_are_one_sentence_before_any_run(tmp_path):
     with pytest.raises(ValueError, match="must be positive"):
         depth_study(recipe=DEBUG, out=str(out), lrs=[0.0])
     assert not out.exists()
+
+
+def test_each_strategy_may_sweep_learning_rates_of_its_own(tmp_path, monkeypatch):
+    """`--lrs` as a mapping: each strategy trains only its own grid, and reports its best on it."""
+    import pytest
+
+    from nag_lightning.analysis import study
+
+    trained = []
+
+    def fake_fit_run(out, name, args):
+        trained.append(name)
+        lr = float(name.split("-lr")[1])
+        bpb = {"prenorm": 3.0, "nag": 2.9}[name.split("-L")[0]] + abs(lr - 6e-3)
+        return {"val_bpb": bpb, "step": 3, "wall_s": 0.0, "select_bpb": bpb, "report_bpb": bpb + 0.5}
+
+    monkeypatch.setattr(study, "fit_run", fake_fit_run)
+    rows = depth_study(recipe=DEBUG, out=str(tmp_path), depths=[4], seeds=[1], residuals=["prenorm", "nag"],
+                       lrs={"prenorm": [3e-3, 6e-3], "nag": [1.2e-2]})
+    assert sorted(trained) == ["nag-L4-s1-lr0.012", "prenorm-L4-s1-lr0.003", "prenorm-L4-s1-lr0.006"]
+    assert rows[0]["prenorm_lr"] == 6e-3 and rows[0]["nag_lr"] == 1.2e-2
+    assert rows[0]["prenorm_mean"] == 3.5
+    with pytest.raises(ValueError, match="--lrs gives options for \\['lns'\\]"):
+        depth_study(recipe=DEBUG, out=str(tmp_path / "bad"), residuals=["nag"], lrs={"lns": [1e-3]})

@@ -224,7 +224,8 @@ def plot_norm_growth(out: Path, depth: int, seed: int, figure: Path | None = Non
     return save(fig, figure or out / "norm_growth.png")
 
 
-def check_options(residuals: list[str], residual_extra: dict[str, list[str]], lrs: list[float]) -> None:
+def check_options(residuals: list[str], residual_extra: dict[str, list[str]],
+                  lrs: dict[str, list[float]]) -> None:
     """One sentence for a bad study option, before any run."""
     from nag_lightning.residuals import RESIDUALS as REGISTRY
 
@@ -232,13 +233,14 @@ def check_options(residuals: list[str], residual_extra: dict[str, list[str]], lr
         REGISTRY.get(residual)  # an unknown name fails with the registered ones listed
     if len(set(residuals)) != len(residuals):
         raise ValueError(f"--residuals names a strategy twice: {residuals}; list each once.")
-    unknown = sorted(set(residual_extra) - set(residuals))
-    if unknown:
-        raise ValueError(
-            f"--residual_extra gives options for {unknown}, which --residuals {residuals} does not "
-            "run; add them to --residuals or drop their options."
-        )
-    if any(lr <= 0 for lr in lrs):
+    for option, given in (("--residual_extra", residual_extra), ("--lrs", lrs)):
+        unknown = sorted(set(given) - set(residuals))
+        if unknown:
+            raise ValueError(
+                f"{option} gives options for {unknown}, which --residuals {residuals} does not "
+                "run; add them to --residuals or drop their options."
+            )
+    if any(lr <= 0 for grid in lrs.values() for lr in grid):
         raise ValueError(f"Every learning rate in --lrs must be positive; got {lrs}.")
 
 
@@ -250,7 +252,7 @@ def depth_study(
     residuals: list[str] = list(RESIDUALS),  # noqa: B006
     extra: list[str] = [],  # noqa: B006
     residual_extra: dict[str, list[str]] = {},  # noqa: B006
-    lrs: list[float] = [],  # noqa: B006
+    lrs: list[float] | dict[str, list[float]] = [],  # noqa: B006
     split_batches: int = 64,
     trust_checkpoint: bool = False,
 ) -> list[dict]:
@@ -266,22 +268,26 @@ def depth_study(
         extra: further `fit` arguments passed to every run, e.g. ["--trainer.max_steps=100"].
         residual_extra: further `fit` arguments per strategy, after `extra`, e.g.
             {nag: ["--model.lr=1.2e-2"], prenorm: ["--model.lr=6e-3"]}.
-        lrs: learning rates to sweep at every depth (empty: no sweep); each (strategy, depth)
-            reports the one that does best on a selection half of the validation batches, on the
-            other half. A sweep's --model.lr overrides one in extra or residual_extra.
+        lrs: learning rates to sweep at every depth (empty: no sweep), one list for every strategy
+            or one per strategy, e.g. {prenorm: [6e-3], nag: [6e-3, 1.2e-2]} (a strategy left out
+            is not swept); each (strategy, depth) reports the one that does best on a selection
+            half of the validation batches, on the other half. A sweep's --model.lr overrides one
+            in extra or residual_extra.
         split_batches: validation batches of a sweep's selection and report halves together.
         trust_checkpoint: let a sweep run's checkpoint, read back for the selection, import and
             call a residual or router class path outside the registered plugins (your own
             --residuals or extra options); only for run folders whose origin you trust.
     """
     check_recipe(recipe)
+    if not isinstance(lrs, dict):
+        lrs = {residual: list(lrs) for residual in residuals} if lrs else {}
     check_options(residuals, residual_extra, lrs)
     out_dir = Path(out)
     results = []
     for seed in seeds:  # seed-major: a partial study already has one seed of every point
         for depth in depths:
             for residual in residuals:
-                for lr in lrs or [None]:
+                for lr in lrs.get(residual) or [None]:
                     result = run_one(recipe, out_dir, residual, depth, seed,
                                      [*extra, *residual_extra.get(residual, [])], lr, split_batches,
                                      trust_checkpoint)
