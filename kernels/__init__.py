@@ -107,7 +107,7 @@ def nag_write(
         backend = "triton" if use_triton else "torch"
     if backend == "triton" and _triton_ops is None:
         raise ImportError("backend='triton' needs the triton package, which is not installed.")
-    u_new, rho_new, theta, h_next = nag_write_op(
+    u_new, rho_new, theta, h_next, _ = nag_write_op(
         u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound, backend == "triton"
     )
     return u_new, rho_new, theta, None if gamma_next is None else h_next

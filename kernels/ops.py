@@ -6,16 +6,19 @@ an operator like any other: `torch.compile` puts one node in the graph instead o
 registered backward, and fake tensors know its output shapes without running it.
 
     nag_write(u, f, rho, g?, alpha, beta, theta_max, gamma_next?, bound, fused)
-        -> (u_new, rho_new, theta, h_next)            h_next is empty (0,) without gamma_next
+        -> (u_new, rho_new, theta, h_next, rows)      h_next is empty (0,) without gamma_next; rows,
+                                                      the reference's per-row numbers (..., 4) for
+                                                      its backward, empty from the kernels
     nag_write_backward(u, f, g?, alpha, beta, theta_max, gamma_next?, bound, fused,
-                       grad_u?, grad_rho?, grad_theta?, grad_h?)
+                       grad_u?, grad_rho?, grad_theta?, grad_h?, rows?)
         -> (du, df, dg, dalpha, dbeta, dgamma)        dg, dgamma empty without g, gamma_next
 
 `fused` picks the implementation: the Triton kernels of `nag_write.py` (CUDA tensors, or CPU
 tensors under TRITON_INTERPRET=1) or the PyTorch reference, with the kernel's backward formulas
 in PyTorch (`reference_backward.py`). `nag_kernels.nag_write` chooses it from the
 backend and the device (CUDA means fused), so on a GPU the op runs the kernels and on CPU the
-reference. Both save only the inputs for backward.
+reference. Both save the inputs for backward, and the reference its 16 bytes a token of per-row
+numbers.
 
 Custom operators cannot return None, so an absent optional output is an empty tensor here; the
 public `nag_kernels.nag_write` turns it back into None.
@@ -26,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .reference import nag_write_reference
+from .reference import _compute_dtype, nag_write_reference_rows
 from .reference_backward import nag_write_reference_backward
 
 try:
@@ -52,23 +55,25 @@ def _need_triton() -> None:
 def nag_write_op(
     u: Tensor, f: Tensor, rho: Tensor, g: Tensor | None, alpha: Tensor, beta: Tensor,
     theta_max: float, gamma_next: Tensor | None, bound: str, fused: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     if fused:
         _need_triton()
         outs, _ = _fused_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
+        rows = _absent(u)  # the backward kernel recomputes its rows in registers
     else:
-        outs = nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
+        outs, rows = nag_write_reference_rows(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
     u_new, rho_new, theta, h_next = outs
     if h_next is None:
         h_next = _absent(u)
     # contiguous, as the fake implementation promises, whatever the inputs' strides
-    return tuple(t.contiguous() for t in (u_new, rho_new, theta, h_next))
+    return tuple(t.contiguous() for t in (u_new, rho_new, theta, h_next, rows))
 
 
 @nag_write_op.register_fake
 def _(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, fused):
     h_next = _absent(u) if gamma_next is None else u.new_empty(u.shape)
-    return u.new_empty(u.shape), rho.new_empty(rho.shape), rho.new_empty(rho.shape), h_next
+    rows = _absent(u) if fused else u.new_empty((*rho.shape, 4), dtype=_compute_dtype(u.dtype))
+    return u.new_empty(u.shape), rho.new_empty(rho.shape), rho.new_empty(rho.shape), h_next, rows
 
 
 @torch.library.custom_op(BACKWARD, mutates_args=())
@@ -76,6 +81,7 @@ def nag_write_backward_op(
     u: Tensor, f: Tensor, g: Tensor | None, alpha: Tensor, beta: Tensor,
     theta_max: float, gamma_next: Tensor | None, bound: str, fused: bool,
     grad_u: Tensor | None, grad_rho: Tensor | None, grad_theta: Tensor | None, grad_h: Tensor | None,
+    rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     grads = (grad_u, grad_rho, grad_theta, grad_h)
     if fused:
@@ -93,7 +99,8 @@ def nag_write_backward_op(
         dalpha, dbeta = dalpha.view(alpha.shape), dbeta.view(beta.shape)
     else:
         du, df, dg, dalpha, dbeta, dgamma = nag_write_reference_backward(
-            u, f, g, alpha, beta, theta_max, gamma_next, bound, *grads
+            u, f, g, alpha, beta, theta_max, gamma_next, bound, *grads,
+            rows=None if rows is None or rows.numel() == 0 else rows,
         )
     outs = (du, df, dg, dalpha, dbeta, dgamma)
     like = (u, f, g, alpha, beta, gamma_next)
@@ -101,28 +108,30 @@ def nag_write_backward_op(
 
 
 @nag_write_backward_op.register_fake
-def _(u, f, g, alpha, beta, theta_max, gamma_next, bound, fused, grad_u, grad_rho, grad_theta, grad_h):
+def _(u, f, g, alpha, beta, theta_max, gamma_next, bound, fused, grad_u, grad_rho, grad_theta, grad_h,
+      rows=None):
     like = (u, f, g, alpha, beta, gamma_next)
     return tuple(_absent(u) if t is None else t.new_empty(t.shape) for t in like)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, fused = inputs
-    ctx.save_for_backward(u, f, g, alpha, beta, gamma_next)
+    rows = output[4]  # the reference's per-row numbers (empty for the kernels): 16 bytes a token
+    ctx.save_for_backward(u, f, g, alpha, beta, gamma_next, rows)
     ctx.theta_max, ctx.bound, ctx.fused, ctx.rho_dtype = theta_max, bound, fused, rho.dtype
     # Outputs that do not reach the loss (theta, usually) give None, and the kernel skips loading them.
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_u, grad_rho, grad_theta, grad_h):
-    u, f, g, alpha, beta, gamma_next = ctx.saved_tensors
+def _backward(ctx, grad_u, grad_rho, grad_theta, grad_h, grad_rows):
+    u, f, g, alpha, beta, gamma_next, rows = ctx.saved_tensors
     if gamma_next is None:
         grad_h = None  # the empty placeholder output
     if all(t is None for t in (grad_u, grad_rho, grad_theta, grad_h)):
         return (None,) * 10
     du, df, dg, dalpha, dbeta, dgamma = nag_write_backward_op(
         u, f, g, alpha, beta, ctx.theta_max, gamma_next, ctx.bound, ctx.fused,
-        grad_u, grad_rho, grad_theta, grad_h,
+        grad_u, grad_rho, grad_theta, grad_h, rows,
     )  # fmt: skip
     # rho' = rho + (terms without rho): its gradient passes straight through.
     drho = None if grad_rho is None else grad_rho.to(ctx.rho_dtype)

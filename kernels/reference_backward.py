@@ -23,11 +23,13 @@ def nag_write_reference_backward(
     u: Tensor, f: Tensor, g: Tensor | None, alpha: Tensor, beta: Tensor, theta_max: float,
     gamma_next: Tensor | None, bound: str,
     grad_u: Tensor | None, grad_rho: Tensor | None, grad_theta: Tensor | None, grad_h: Tensor | None,
+    rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor | None]:  # fmt: skip
     """Gradients (du, df, dg, dalpha, dbeta, dgamma) of a NAG write, each in its input's dtype;
     dg and dgamma are None without g and gamma_next. Arguments as in `nag_write_reference`, g of
     rho's shape, and the incoming gradients of (u', rho', theta, h_next), None where an output
-    does not reach the loss. (rho's gradient is grad_rho itself and is not returned.)"""
+    does not reach the loss; `rows`, the forward's per-row numbers (`nag_write_reference_rows`),
+    or None to recompute them. (rho's gradient is grad_rho itself and is not returned.)"""
     d = u.shape[-1]
     ct = _compute_dtype(u.dtype)
     inv_sqrt_d, sqrt_d = 1.0 / math.sqrt(d), math.sqrt(d)
@@ -39,18 +41,22 @@ def nag_write_reference_backward(
     # The forward's per-row numbers (the kernel's _recompute_row), without raw: every (..., d)
     # vector of the write is a combination of u, p = f_perp_hat and the incoming gradient G, so
     # the backward needs only their dot products and two final combinations.
-    m = row_scale(f32)  # (...,)
-    f_hat = f32 * (1 / m)[..., None]  # exact, as in the reference
-    a_hat = _dot(f_hat, u32)
-    p = torch.addcmul(f_hat, a_hat[..., None], u32, value=-1)  # f_perp_hat, (..., d)
-    n_hat = torch.linalg.vector_norm(p, dim=-1)
+    if rows is None:
+        m = row_scale(f32)  # (...,)
+        f_hat = f32 * (1 / m)[..., None]  # exact, as in the reference
+        a_hat = _dot(f_hat, u32)
+        p = torch.addcmul(f_hat, a_hat[..., None], u32, value=-1)  # f_perp_hat, (..., d)
+        n_hat = torch.linalg.vector_norm(p, dim=-1)
+        norm_u = torch.linalg.vector_norm(u32, dim=-1)
+    else:  # the forward's own numbers: only f_perp_hat itself is formed again
+        m, a_hat, n_hat, norm_u = rows.to(ct).unbind(-1)
+        p = torch.addcmul(f32 * (1 / m)[..., None], a_hat[..., None], u32, value=-1)
     n = m * n_hat
     theta = bound_angle(k * n, theta_max, bound)
     c, s = torch.cos(theta), torch.sin(theta)
     big = n > EPS
     n_hat_safe = torch.where(big, n_hat, 1.0)
     s_hat = torch.where(big, s / n_hat_safe, k * m)
-    norm_u = torch.linalg.vector_norm(u32, dim=-1)
     uu, pu, pp = norm_u.square(), _dot(p, u32), n_hat.square()
     # raw = c u + s_hat p; its norm from the dot products (the forward took it from raw itself:
     # they differ by rounding, which only the gradients see)
@@ -65,9 +71,10 @@ def nag_write_reference_backward(
         dgamma = torch.zeros(d, dtype=ct, device=u.device)
         if grad_h is not None:
             gh = grad_h.to(ct)
-            G = G + sqrt_d * gamma_next.to(ct) * gh
-            u_new = (r * c)[..., None] * u32 + (r * s_hat)[..., None] * p
-            dgamma = (sqrt_d * gh * u_new).reshape(-1, d).sum(0)
+            # every full-size pass counts on CPU: the (d,) factors are folded before they meet rows
+            G = torch.addcmul(G, gh, sqrt_d * gamma_next.to(ct))
+            u_new = torch.addcmul((r * c)[..., None] * u32, (r * s_hat)[..., None], p)
+            dgamma = (gh * u_new).reshape(-1, d).sum(0) * sqrt_d
     Gu, Gp = _dot(G, u32), _dot(G, p)
 
     # r = ||u|| / ||raw||: d r / d raw = -r raw / ||raw||^2, d r / d u = u / (||u|| ||raw||), so
