@@ -5,15 +5,16 @@ angle"). Plugins outside the package, named by dotted path, e.g.
         --model.arch.n_layers=8 --seed_everything=1 --model.arch.init_std=0.125 --model.lr=1.2e-2 \
         --model.arch.residual=nag_angle_variants.GatedNAG
 
-- `GatedNAG`: the angle is a learned per-token gate, theta = theta_max * sigmoid(sqrt(d) <w_l, u> + b_l)
-  (times the router's g), and the sublayer only supplies the direction f_perp / |f_perp|. The angle
-  is known before the sublayer runs, from the token's own state, so a token whose angle is small can
-  skip it without a separate predictor; and the size of f no longer feeds the angle, so Adam cannot
-  push every token to the bound by growing the sublayer's output.
+- `GatedNAG` (now the package's `angle: gate` option of `nag`): the angle is a learned per-token
+  gate, theta = theta_max * sigmoid(sqrt(d) <w_l, u> + b_l) (times the router's g), and the sublayer
+  only supplies the direction f_perp / |f_perp|. The angle is known before the sublayer runs, from
+  the token's own state, so a token whose angle is small can skip it without a separate predictor;
+  and the size of f no longer feeds the angle, so Adam cannot push every token to the bound by
+  growing the sublayer's output.
 - `RelativeNAG`: theta = theta_max * tanh(alpha * sqrt(N) * c * n / ema(n)): the update's size
   relative to the sublayer's running mean, so scaling a sublayer up cannot saturate every token.
 
-Both run the write in plain PyTorch (no kernel): they are for small CPU probes.
+Both run the write in plain PyTorch (no kernel).
 """
 
 from __future__ import annotations
@@ -21,45 +22,22 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor, nn
 
-from nag_lightning.residuals.nag import NAGResidual
-
-
-def rotate(u: Tensor, f: Tensor, theta: Tensor) -> tuple[Tensor, Tensor]:
-    """Turn u by theta toward f's part orthogonal to u (no turn where that part vanishes);
-    returns the new unit direction and the radial part a = <f, u>."""
-    u32, f32 = u.float(), f.float()
-    a = (f32 * u32).sum(-1)
-    f_perp = f32 - a[..., None] * u32
-    n = torch.linalg.vector_norm(f_perp, dim=-1)
-    small = n <= 1e-6
-    s = torch.where(small, torch.zeros_like(n), torch.sin(theta) / torch.where(small, 1.0, n))
-    raw = torch.cos(theta)[..., None] * u32 + s[..., None] * f_perp
-    return raw / torch.linalg.vector_norm(raw, dim=-1, keepdim=True), a
+from nag_lightning.residuals.nag import NAGResidual, rotate
 
 
 class GatedNAG(NAGResidual):
-    """theta = theta_max * sigmoid(sqrt(d) <w_l, u> + b_l) * g; direction f_perp / |f_perp|.
+    """`NAGResidual(angle="gate")` as probed, with the magnitude angle's 4/N bound unless theta_max
+    is given (the packaged option defaults to 8/N, the better of the two measured).
 
     Args:
         gate_bias: initial b_l (0: every token starts at theta_max / 2).
         (the rest as NAGResidual; alpha is unused)
     """
 
-    def __init__(self, *args, gate_bias: float = 0.0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.gate_w = nn.Parameter(torch.zeros(self.n_sublayers, self.d_model))
-        self.gate_b = nn.Parameter(torch.full((self.n_sublayers,), float(gate_bias)))
-
-    def write(self, state, f, gate, index, need_angle=True):
-        u, rho = state
-        score = math.sqrt(self.d_model) * (u.float() @ self.gate_w[index]) + self.gate_b[index]
-        g = 1.0 if gate is None else gate.float()
-        theta = self.theta_max * torch.sigmoid(score) * g
-        u_new, a = rotate(u, f, theta)
-        rho_new = rho.float() + g * self.beta[index] * a / math.sqrt(self.d_model)
-        return (u_new.to(u.dtype), rho_new.to(rho.dtype)), theta.detach().abs()
+    def __init__(self, d_model: int, n_sublayers: int, theta_max: float | None = None, **kwargs) -> None:
+        theta_max = 4.0 / n_sublayers if theta_max is None else theta_max
+        super().__init__(d_model, n_sublayers, theta_max=theta_max, angle="gate", **kwargs)
 
 
 class RelativeNAG(NAGResidual):

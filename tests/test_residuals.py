@@ -271,3 +271,51 @@ def test_ngpt_training_adds_the_weight_projection_callback():
     assert [type(c) for c in callbacks] == [WeightProjection]
     for name in ("prenorm", "nag", "lns", "periln"):
         assert NAGLanguageModel(tiny(name)).configure_callbacks() == []
+
+
+def gated_nag(**options):
+    strategy = nag(angle="gate", **options)
+    with torch.no_grad():  # a trained gate: the angle differs from token to token
+        strategy.gate_w.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(2))
+    return strategy
+
+
+def test_gated_nag_angle_comes_from_the_gate_not_the_update_size():
+    strategy = gated_nag()
+    assert strategy.theta_max == 8 / 8  # its default bound: 8 / n_sublayers
+    u, rho = unit_state(strategy)
+    thetas = []
+    for scale in (0.1, 1.0, 100.0):
+        f = scale * sublayer_outputs(u)["random"]
+        (u_new, _), theta = strategy.write((u, rho), f, None, index=2)
+        torch.testing.assert_close(u_new.norm(dim=-1), torch.ones(ROWS), atol=2e-6, rtol=0)
+        applied = torch.acos((u * u_new).sum(-1).clamp(-1, 1))
+        torch.testing.assert_close(applied, theta, atol=1e-3, rtol=0)
+        thetas.append(theta)
+    assert torch.equal(thetas[0], thetas[1]) and torch.equal(thetas[1], thetas[2])  # size-blind
+    assert (thetas[0] < strategy.theta_max).all()
+    assert thetas[0].min() < 0.7 * thetas[0].max()  # tells tokens apart
+    score = math.sqrt(D) * (u @ strategy.gate_w[2]) + strategy.gate_b[2]
+    torch.testing.assert_close(thetas[0], strategy.theta_max * torch.sigmoid(score).detach())
+
+
+def test_gated_nag_gate_zero_is_identity_and_options_are_checked():
+    strategy = gated_nag(beta_init=0.7)
+    u, rho = unit_state(strategy)
+    (u_new, rho_new), angle = strategy.write((u, rho), sublayer_outputs(u)["random"], torch.zeros(ROWS), 1)
+    assert torch.equal(u_new, u) and torch.equal(rho_new, rho) and torch.equal(angle, torch.zeros(ROWS))
+    with pytest.raises(ValueError, match="angle must be one of"):
+        nag(angle="size")
+    with pytest.raises(ValueError, match="runs in PyTorch only; use kernel 'auto' or 'torch'"):
+        nag(angle="gate", kernel="triton")
+
+
+def test_gated_nag_checkpoint_carries_its_angle():
+    trained = gated_nag(gate_bias=-1.0)
+    loaded = nag(angle="gate")
+    loaded.load_state_dict(trained.state_dict())
+    assert loaded.angle == "gate" and torch.equal(loaded.gate_b, trained.gate_b)
+    assert nag().get_extra_state()["angle"] == "magnitude"
+    with pytest.raises(ValueError, match="trained with angle=magnitude; this model was given angle=gate"):
+        gate_only = {k: v for k, v in nag(angle="gate").state_dict().items() if k != "_extra_state"}
+        nag(angle="gate").load_state_dict({**gate_only, "_extra_state": nag().get_extra_state()})

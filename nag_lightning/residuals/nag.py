@@ -12,6 +12,17 @@ only the direction and write a bounded rotation of it; their radial part moves r
 Since every sublayer turns u by at most θmax whatever the state's history, a late layer matters as
 much as an early one; θ is also the sublayer's contribution, the number routers threshold on. The update runs
 through `nag_kernels.nag_write`: a fused Triton kernel on CUDA, the PyTorch reference elsewhere.
+
+`angle="gate"` takes the angle from a learned gate on the token's own direction instead of from
+the size of f, and only the direction f⊥/|f⊥| from the sublayer:
+
+    θ = θmax·sigmoid(√d·<w_l, u> + b_l)·g            (θmax defaults to 8/N here)
+
+With the size-driven angle, Adam grows |f⊥| until nearly every token sits on the bound (the
+q10/q90 spread of θ across tokens measured 0.99-1.00 at NAG's best learning rate): θ then says
+nothing about which token a sublayer matters for. The gate cannot be pushed to the bound by
+scaling the sublayer, and it is known before the sublayer runs (docs/results.md, section 0).
+It runs in PyTorch (no fused kernel yet).
 """
 
 from __future__ import annotations
@@ -23,6 +34,25 @@ from torch import Tensor, nn
 
 from nag_kernels import BACKENDS, BOUNDS, nag_write
 from nag_lightning.residuals import RESIDUALS, ResidualStrategy, State
+
+ANGLES = ("magnitude", "gate")
+"""Where a sublayer's angle comes from: the size of its tangential output, bounded, or a learned
+gate on the token's direction."""
+
+
+def rotate(u: Tensor, f: Tensor, theta: Tensor) -> tuple[Tensor, Tensor]:
+    """Turn unit rows u by theta toward f's part orthogonal to u (no turn where that part vanishes),
+    in fp32; returns the new direction, renormalised to u's norm, and the radial part a = <f, u>."""
+    u32, f32 = u.float(), f.float()
+    a = torch.linalg.vecdot(f32, u32)
+    f_perp = torch.addcmul(f32, a[..., None], u32, value=-1)
+    n = torch.linalg.vector_norm(f_perp, dim=-1)
+    small = n <= 1e-6
+    s = torch.where(small, torch.zeros_like(n), torch.sin(theta) / torch.where(small, 1.0, n))
+    raw = torch.addcmul(torch.cos(theta)[..., None] * u32, s[..., None], f_perp)
+    # times ||u|| / ||raw||, not / ||raw||: where theta = 0, raw is u and the ratio exactly 1
+    scale = torch.linalg.vector_norm(u32, dim=-1) / torch.linalg.vector_norm(raw, dim=-1)
+    return raw * scale[..., None], a
 
 
 @RESIDUALS.register("nag")
@@ -46,6 +76,10 @@ class NAGResidual(ResidualStrategy):
         bound: how the angle approaches theta_max: "tanh" (saturates exponentially) or
             "rational" (x / (1 + |x| / theta_max), whose gradient decays only like 1/x^2).
         kernel: "auto" (Triton on CUDA tensors, PyTorch elsewhere), "triton" or "torch".
+        angle: "magnitude" (the bounded size of the sublayer's tangential output, above) or
+            "gate" (theta_max * sigmoid(sqrt(d) <w_l, u> + b_l) * g, see the module docstring;
+            theta_max then defaults to 8 / n_sublayers; alpha and bound are unused).
+        gate_bias: initial b_l of the gated angle (0: every token starts at theta_max / 2).
     """
 
     def __init__(
@@ -58,13 +92,21 @@ class NAGResidual(ResidualStrategy):
         norm_lane_readout: bool | None = None,
         bound: str = "tanh",
         kernel: str = "auto",
+        angle: str = "magnitude",
+        gate_bias: float = 0.0,
     ) -> None:
         super().__init__(d_model, n_sublayers)
         # Which settings were given, not defaulted: a checkpoint written before the settings were
         # saved in it (see _load_from_state_dict) was trained under the defaults of that time.
         self._given = {"theta_max": theta_max is not None, "norm_lane_readout": norm_lane_readout is not None,
-                       "bound": bound != "tanh"}
-        theta_max = 4.0 / n_sublayers if theta_max is None else theta_max
+                       "bound": bound != "tanh", "angle": angle != "magnitude"}
+        if angle not in ANGLES:
+            raise ValueError(f"angle must be one of {ANGLES}; got {angle!r}.")
+        if angle == "gate" and kernel == "triton":
+            raise ValueError("The gated angle (angle='gate') runs in PyTorch only; use kernel 'auto' or "
+                             "'torch'.")
+        if theta_max is None:
+            theta_max = (8.0 if angle == "gate" else 4.0) / n_sublayers
         norm_lane_readout = True if norm_lane_readout is None else norm_lane_readout
         if not 0 < theta_max <= math.pi:
             raise ValueError(f"theta_max must be in (0, pi] radians; got {theta_max}.")
@@ -81,10 +123,14 @@ class NAGResidual(ResidualStrategy):
         self.gamma_out = nn.Parameter(torch.ones(d_model))
         self.alpha = nn.Parameter(torch.full((n_sublayers,), float(alpha_init)))
         self.beta = nn.Parameter(torch.full((n_sublayers,), float(beta_init)))
+        self.angle = angle
+        if angle == "gate":  # only then: a magnitude-angle checkpoint keeps its parameters
+            self.gate_w = nn.Parameter(torch.zeros(n_sublayers, d_model))
+            self.gate_b = nn.Parameter(torch.full((n_sublayers,), float(gate_bias)))
 
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
-    SETTINGS = ("theta_max", "norm_lane_readout", "bound")
+    SETTINGS = ("theta_max", "norm_lane_readout", "bound", "angle")
 
     def get_extra_state(self) -> dict:
         return {name: getattr(self, name) for name in self.SETTINGS}
@@ -102,7 +148,7 @@ class NAGResidual(ResidualStrategy):
                     f"{name}={getattr(self, name)}: drop the option or give the checkpoint's value."
                 )
         for name in self.SETTINGS:
-            setattr(self, name, state[name])
+            setattr(self, name, state.get(name, "magnitude" if name == "angle" else None))
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
         key = prefix + "_extra_state"
@@ -111,6 +157,7 @@ class NAGResidual(ResidualStrategy):
                 "theta_max": self.theta_max if self._given["theta_max"] else 2.0 / self.n_sublayers,
                 "norm_lane_readout": self.norm_lane_readout if self._given["norm_lane_readout"] else False,
                 "bound": self.bound,
+                "angle": self.angle,
             }
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -128,11 +175,21 @@ class NAGResidual(ResidualStrategy):
         self, state: State, f: Tensor, gate: Tensor | None, index: int, need_angle: bool = True
     ) -> tuple[State, Tensor | None]:
         u, rho = state
+        if self.angle == "gate":
+            return self._gated_write(u, rho, f, gate, index)
         u_new, rho_new, theta, _ = nag_write(
             u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max,
             backend=self.kernel, bound=self.bound,
         )
         return (u_new, rho_new), theta.detach().abs()
+
+    def _gated_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
+        score = math.sqrt(self.d_model) * (u.float() @ self.gate_w[index].float()) + self.gate_b[index]
+        g = 1.0 if gate is None else gate.float()
+        theta = self.theta_max * torch.sigmoid(score) * g
+        u_new, a = rotate(u, f, theta)
+        rho_new = rho.float() + g * self.beta[index] * a / math.sqrt(self.d_model)
+        return (u_new.to(u.dtype), rho_new.to(rho.dtype)), theta.detach().abs()
 
     def final(self, state: State) -> tuple[Tensor, Tensor | None]:
         u, rho = state
