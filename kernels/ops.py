@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .reference import _compute_dtype, nag_write_reference_rows
+from .reference import _compute_dtype, nag_write_reference
 from .reference_backward import nag_write_reference_backward
 
 try:
@@ -61,7 +61,7 @@ def nag_write_op(
         outs, _ = _fused_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
         rows = _absent(u)  # the backward kernel recomputes its rows in registers
     else:
-        outs, rows = nag_write_reference_rows(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
+        outs, rows = nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, True)
     u_new, rho_new, theta, h_next = outs
     if h_next is None:
         h_next = _absent(u)

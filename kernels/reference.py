@@ -84,7 +84,8 @@ def nag_write_reference(
     theta_max: float,
     gamma_next: torch.Tensor | None = None,
     bound: str = "tanh",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    return_rows: bool = False,
+):
     """One NAG write, in plain PyTorch.
 
     Args:
@@ -97,31 +98,16 @@ def nag_write_reference(
         theta_max: bound on |theta|, a positive float (pi / 2 in DESIGN.md).
         gamma_next: per-channel gain of the next read, shape (d,); None skips h_next.
         bound: how theta is bounded, one of BOUNDS.
+        return_rows: also return the per-row numbers the backward would otherwise recompute.
 
     Returns:
         (u_new, rho_new, theta, h_next): u_new and h_next in u.dtype, rho_new and theta
         (signed, shape (...,)) in rho.dtype; h_next is None when gamma_next is None.
-        Everything is computed in fp32 (fp64 for fp64 inputs).
+        Everything is computed in fp32 (fp64 for fp64 inputs). With return_rows,
+        ((u_new, rho_new, theta, h_next), rows): rows of shape (..., 4) in the compute dtype hold
+        (m, a_hat, n_hat, ||u||), the row scale, the radial part and the tangential norm of
+        f / m, and the norm of u; 16 bytes a token that save the backward five passes over (..., d).
     """
-    outs, _ = nag_write_reference_rows(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
-    return outs
-
-
-def nag_write_reference_rows(
-    u: torch.Tensor,
-    f: torch.Tensor,
-    rho: torch.Tensor,
-    g: torch.Tensor | None,
-    alpha: torch.Tensor,
-    beta: torch.Tensor,
-    theta_max: float,
-    gamma_next: torch.Tensor | None = None,
-    bound: str = "tanh",
-) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    """`nag_write_reference`, and the per-row numbers its backward would otherwise recompute:
-    ((u_new, rho_new, theta, h_next), rows), rows of shape (..., 4) in the compute dtype holding
-    (m, a_hat, n_hat, ||u||): the row scale, the radial part and the tangential norm of f / m,
-    and the norm of u. 16 bytes a token buy five of the backward's passes over (..., d)."""
     d = u.shape[-1]
     ct = _compute_dtype(u.dtype)
     inv_sqrt_d = 1.0 / math.sqrt(d)
@@ -156,6 +142,6 @@ def nag_write_reference_rows(
     h_next = None
     if gamma_next is not None:
         h_next = (u_new * (math.sqrt(d) * gamma_next.to(ct))).to(u.dtype)  # one pass over u_new
-    rows = torch.stack((m, a_hat, n_hat, norm_u), dim=-1)
-    return (u_new.to(u.dtype), rho_new.to(rho.dtype), theta.to(rho.dtype), h_next), rows
+    outs = (u_new.to(u.dtype), rho_new.to(rho.dtype), theta.to(rho.dtype), h_next)
+    return (outs, torch.stack((m, a_hat, n_hat, norm_u), dim=-1)) if return_rows else outs
 

@@ -28,7 +28,7 @@ def nag_write_reference_backward(
     """Gradients (du, df, dg, dalpha, dbeta, dgamma) of a NAG write, each in its input's dtype;
     dg and dgamma are None without g and gamma_next. Arguments as in `nag_write_reference`, g of
     rho's shape, and the incoming gradients of (u', rho', theta, h_next), None where an output
-    does not reach the loss; `rows`, the forward's per-row numbers (`nag_write_reference_rows`),
+    does not reach the loss; `rows`, the forward's per-row numbers (`nag_write_reference`'s return_rows),
     or None to recompute them. (rho's gradient is grad_rho itself and is not returned.)"""
     d = u.shape[-1]
     ct = _compute_dtype(u.dtype)

@@ -128,13 +128,13 @@ def test_op_backward_is_as_accurate_as_autograd_at_small_tangents(n):
 def test_the_backward_from_the_forwards_rows_equals_the_recomputed_one(bound):
     """The per-row numbers the reference's forward keeps give the same gradients as recomputing
     them (they are the same numbers), so saving them changes time, not results."""
-    from nag_kernels.reference import nag_write_reference_rows
+    from nag_kernels.reference import nag_write_reference
     from nag_kernels.reference_backward import nag_write_reference_backward
 
     u, f, rho, g, alpha, beta, theta_max, gamma_next, _, _ = op_args(gate=True, gamma=True, bound=bound)
     detached = [t.detach() for t in (u, f, g, alpha, beta)]
-    _, rows = nag_write_reference_rows(*[t.detach() for t in (u, f, rho, g, alpha, beta)], theta_max,
-                                       gamma_next.detach(), bound)
+    _, rows = nag_write_reference(*[t.detach() for t in (u, f, rho, g, alpha, beta)], theta_max,
+                                  gamma_next.detach(), bound, return_rows=True)
     assert rows.shape == (2, 3, 4)
     grads = (torch.randn_like(u), torch.randn_like(rho), torch.randn_like(rho), torch.randn_like(u))
     args = (*detached, theta_max, gamma_next.detach(), bound, *grads)
