@@ -245,3 +245,20 @@ def test_each_strategy_may_sweep_learning_rates_of_its_own(tmp_path, monkeypatch
     assert rows[0]["prenorm_mean"] == 3.5
     with pytest.raises(ValueError, match="--lrs gives options for \\['lns'\\]"):
         depth_study(recipe=DEBUG, out=str(tmp_path / "bad"), residuals=["nag"], lrs={"lns": [1e-3]})
+
+
+def test_tradeoff_study_finds_the_runs_of_a_learning_rate_sweep(tmp_path, monkeypatch):
+    """With `lrs`, each residual's run is the depth study's run at that learning rate."""
+    from nag_lightning.analysis import tradeoff_study as tradeoff
+
+    trained, swept = [], []
+    monkeypatch.setattr(tradeoff, "run_one", lambda *args: trained.append((args[2], args[-1])))
+    rows = [{"method": m, "mod_rate": rate, "bpb": 3.0 + rate, "setting": "", "executed_flops": 1 - rate}
+            for m in ("threshold", "oracle") for rate in (0.0, 0.1, 0.2, 0.3)]
+    monkeypatch.setattr(tradeoff, "sweep_run", lambda ckpt, *args: swept.append(ckpt) or rows)
+    monkeypatch.setattr(tradeoff, "plot", lambda *args: None)
+    (tmp_path / "tradeoff").mkdir()
+    tradeoff.tradeoff_study(depth=8, seeds=[1], residuals=["prenorm", "nag"], depth_out=str(tmp_path),
+                            out=str(tmp_path / "tradeoff"), lrs={"nag": 1.2e-2})
+    assert trained == [("prenorm", None), ("nag", 1.2e-2)]
+    assert [p.parts[-4] for p in swept] == ["prenorm-L8-s1", "nag-L8-s1-lr0.012"]

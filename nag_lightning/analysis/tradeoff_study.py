@@ -127,6 +127,7 @@ def tradeoff_study(
     val_batches: int = 16,
     fit_batches: int = 32,
     extra: list[str] = [],  # noqa: B006
+    lrs: dict[str, float] = {},  # noqa: B006
     trust_checkpoint: bool = False,
 ) -> dict[tuple[str, int], list[dict]]:
     """Sweep post-training skipping on trained prenorm and NAG models; one plot, one table.
@@ -141,6 +142,8 @@ def tradeoff_study(
         val_batches: validation batches every setting is evaluated on.
         fit_batches: training batches the threshold probes are fitted on.
         extra: further `fit` arguments for a run that has to be trained.
+        lrs: per residual, the learning rate of its run when the depth study swept learning rates
+            (its runs are named by it), e.g. {prenorm: 6e-3, nag: 1.2e-2}.
         trust_checkpoint: let the runs' checkpoints, read back for the sweeps, import and call a
             residual or router class path outside the registered plugins (your own --residuals or
             extra options); only for run folders whose origin you trust.
@@ -149,8 +152,8 @@ def tradeoff_study(
     curves = {}
     for seed in seeds:
         for residual in residuals:
-            run_one(recipe, Path(depth_out), residual, depth, seed, extra)
-            name = run_name(residual, depth, seed)
+            run_one(recipe, Path(depth_out), residual, depth, seed, extra, lrs.get(residual))
+            name = run_name(residual, depth, seed, lrs.get(residual))
             ckpt = Path(depth_out) / name / "version_0" / "checkpoints" / "last.ckpt"
             curves[(residual, seed)] = sweep_run(ckpt, out_dir / name, val_batches, fit_batches,
                                                  trust_checkpoint)
