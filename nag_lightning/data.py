@@ -209,8 +209,8 @@ def _corpus_hash(
     return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
 
 
-def _read_tokens(piece: tuple[str, int, int]) -> Iterator[torch.Tensor]:
-    """litdata `optimize` worker: yield a byte range of one file as uint8 tokens, 4 MiB at a time."""
+def _read_range(piece: tuple[str, int, int]) -> Iterator[tuple[bytes, bool]]:
+    """A byte range of one file, 4 MiB at a time, each chunk with whether it is the range's last."""
     path, start, end = piece
     with open(path, "rb") as f:
         f.seek(start)
@@ -219,27 +219,26 @@ def _read_tokens(piece: tuple[str, int, int]) -> Iterator[torch.Tensor]:
             if not data:  # the file shrank since it was listed
                 return
             start += len(data)
-            yield torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            yield data, start >= end
+
+
+def _read_tokens(piece: tuple[str, int, int]) -> Iterator[torch.Tensor]:
+    """litdata `optimize` worker: yield a byte range of one file as uint8 tokens."""
+    for data, _ in _read_range(piece):
+        yield torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _encode_tokens(piece: tuple[str, int, int], tokenizer: Tokenizer) -> Iterator[torch.Tensor]:
     """litdata `optimize` worker for a tokenizer other than bytes: yield the token ids of a byte
     range of one file, read 4 MiB at a time and cut only where a GPT-2-style pre-tokenizer ends a
     token anyway (`nag_lightning.tokenizer.safe_cut`), so the ids are those of the whole range."""
-    path, start, end = piece
     carry = b""
-    with open(path, "rb") as f:
-        f.seek(start)
-        while start < end:
-            data = f.read(min(_READ_BYTES, end - start))
-            if not data:  # the file shrank since it was listed
-                break
-            start += len(data)
-            data = carry + data
-            cut = tokenizers.safe_cut(data) if start < end else len(data)
-            carry, data = (data[cut:], data[:cut]) if cut > 0 else (b"", data)
-            if data:
-                yield tokenizer.encode(data)
+    for data, last in _read_range(piece):
+        data = carry + data
+        cut = len(data) if last else tokenizers.safe_cut(data)
+        carry, data = (data[cut:], data[:cut]) if cut > 0 else (b"", data)
+        if data:
+            yield tokenizer.encode(data)
     if carry:
         yield tokenizer.encode(carry)
 
