@@ -66,6 +66,7 @@ def nag_write(
     gamma_next: torch.Tensor | None = None,
     backend: str = "auto",
     bound: str = "tanh",
+    angle: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One NAG write: rotate the direction lane u toward f's tangential part, update rho.
 
@@ -80,6 +81,9 @@ def nag_write(
         gamma_next: per-channel gain (d,) of the next sublayer's read; None skips h_next.
         backend: one of BACKENDS ("auto", "triton", "torch").
         bound: how theta is bounded to theta_max, one of BOUNDS ("tanh", "rational").
+        angle: the angle each row turns by, shape broadcastable to (...,), given instead of
+            bound(g alpha |f_perp| / sqrt(d)) (the gated NAG); alpha and bound are then unused,
+            g scales only the update of rho, and rows with |f_perp| <= EPS do not turn.
 
     Returns:
         (u_new, rho_new, theta, h_next): u_new, h_next (None without gamma_next) in u.dtype;
@@ -96,6 +100,12 @@ def nag_write(
     beta = _as_scalar(beta, u, "beta")
     if g is not None and g.shape != rho.shape:
         g = g.expand(rho.shape)  # autograd sums the gradient back to g's own shape
+    if angle is not None:
+        if torch.broadcast_shapes(angle.shape, rho.shape) != rho.shape:
+            raise ValueError(
+                f"angle must broadcast to rho's shape {tuple(rho.shape)}, got {tuple(angle.shape)}."
+            )
+        angle = angle.expand(rho.shape)
 
     if backend == "auto":
         use_triton = (
@@ -108,6 +118,6 @@ def nag_write(
     if backend == "triton" and _triton_ops is None:
         raise ImportError("backend='triton' needs the triton package, which is not installed.")
     u_new, rho_new, theta, h_next, _ = nag_write_op(
-        u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound, backend == "triton"
+        u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound, backend == "triton", angle
     )
     return u_new, rho_new, theta, None if gamma_next is None else h_next

@@ -86,10 +86,12 @@ def _row_scale(f):
 
 
 @triton.jit
-def _recompute_row(u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL: tl.constexpr):
+def _recompute_row(u, f, g, alpha, theta_in, inv_sqrt_d, theta_max, eps, RATIONAL: tl.constexpr,
+                   GIVEN: tl.constexpr):
     """The forward of one row up to the renormalisation; shared by both kernels. Works on
     f_hat = f / m (m = _row_scale(f)): a = m a_hat, n = m n_hat, and raw takes s_hat f_perp_hat,
-    which is s f_perp with s = sin(theta) / n."""
+    which is s f_perp with s = sin(theta) / n. With GIVEN, theta is theta_in (the gated angle)
+    and there is no turn where n <= eps."""
     m = _row_scale(f)
     f_hat = f / m
     a_hat = tl.sum(f_hat * u, axis=0)
@@ -97,7 +99,9 @@ def _recompute_row(u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL: tl.cons
     n_hat = tl.sqrt(tl.sum(f_perp_hat * f_perp_hat, axis=0))
     n = m * n_hat
     k = g * alpha * inv_sqrt_d
-    if RATIONAL:
+    if GIVEN:
+        theta = theta_in
+    elif RATIONAL:
         # the reference's two forms: exact for small |x|, |theta| <= theta_max for large
         x = k * n
         denom = theta_max + tl.abs(x)
@@ -109,7 +113,10 @@ def _recompute_row(u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL: tl.cons
     sin_t = tl.sin(theta)
     big = n > eps
     n_hat_safe = tl.where(big, n_hat, 1.0)
-    s_hat = tl.where(big, sin_t / n_hat_safe, k * m)
+    if GIVEN:
+        s_hat = tl.where(big, sin_t / n_hat_safe, 0.0)
+    else:
+        s_hat = tl.where(big, sin_t / n_hat_safe, k * m)
     raw = cos_t * u + s_hat * f_perp_hat
     norm_u = tl.sqrt(tl.sum(u * u, axis=0))
     norm_raw = tl.sqrt(tl.sum(raw * raw, axis=0))
@@ -119,10 +126,11 @@ def _recompute_row(u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL: tl.cons
 
 @triton.jit
 def _nag_write_fwd_kernel(
-    U, F, RHO, G, ALPHA, BETA, GAMMA,  # inputs
+    U, F, RHO, G, ALPHA, BETA, GAMMA, ANGLE,  # inputs
     U_OUT, RHO_OUT, THETA_OUT, H_OUT,  # outputs
     n_cols, inv_sqrt_d, sqrt_d, theta_max, eps,
-    HAS_G: tl.constexpr, HAS_GAMMA: tl.constexpr, RATIONAL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_GAMMA: tl.constexpr, RATIONAL: tl.constexpr, GIVEN: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
@@ -137,9 +145,13 @@ def _nag_write_fwd_kernel(
         g = 1.0
     alpha = tl.load(ALPHA).to(tl.float32)
     beta = tl.load(BETA).to(tl.float32)
+    if GIVEN:
+        theta_in = tl.load(ANGLE + row).to(tl.float32)
+    else:
+        theta_in = 0.0
 
     m, f_hat, a_hat, f_perp_hat, n_hat, n, k, theta, cos_t, sin_t, s_hat, raw, norm_u, norm_raw_safe = (
-        _recompute_row(u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL)
+        _recompute_row(u, f, g, alpha, theta_in, inv_sqrt_d, theta_max, eps, RATIONAL, GIVEN)
     )
     u_new = raw * (norm_u / norm_raw_safe)
     tl.store(U_OUT + offs, u_new.to(U_OUT.dtype.element_ty), mask=mask)
@@ -154,11 +166,11 @@ def _nag_write_fwd_kernel(
 
 @triton.jit
 def _nag_write_bwd_kernel(
-    U, F, G, ALPHA, BETA, GAMMA,  # saved inputs
+    U, F, G, ALPHA, BETA, GAMMA, ANGLE,  # saved inputs
     GU_NEW, GRHO_NEW, GTHETA, GH,  # incoming gradients
-    DU, DF, DG, DALPHA, DBETA, DGAMMA,  # DG per row; DALPHA, DBETA, DGAMMA per program
+    DU, DF, DG, DALPHA, DBETA, DGAMMA, DANGLE,  # DG, DANGLE per row; DALPHA, DBETA, DGAMMA per program
     n_rows, n_cols, rows_per_program, inv_sqrt_d, sqrt_d, theta_max, eps,
-    HAS_G: tl.constexpr, HAS_GAMMA: tl.constexpr, RATIONAL: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_GAMMA: tl.constexpr, RATIONAL: tl.constexpr, GIVEN: tl.constexpr,
     HAS_GU: tl.constexpr, HAS_GRHO: tl.constexpr, HAS_GTHETA: tl.constexpr, HAS_GH: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
@@ -184,8 +196,12 @@ def _nag_write_bwd_kernel(
             g = tl.load(G + row).to(tl.float32)
         else:
             g = 1.0
+        if GIVEN:
+            theta_in = tl.load(ANGLE + row).to(tl.float32)
+        else:
+            theta_in = 0.0
         m, f_hat, a_hat, f_perp_hat, n_hat, n, k, theta, cos_t, sin_t, s_hat, raw, norm_u, norm_raw_safe = (
-            _recompute_row(u, f, g, alpha, inv_sqrt_d, theta_max, eps, RATIONAL)
+            _recompute_row(u, f, g, alpha, theta_in, inv_sqrt_d, theta_max, eps, RATIONAL, GIVEN)
         )
         r = norm_u / norm_raw_safe
 
@@ -221,16 +237,20 @@ def _nag_write_bwd_kernel(
         g_theta = -sin_t * g_cos + tl.where(big, cos_t / n_hat_safe * g_s, 0.0)
         if HAS_GTHETA:
             g_theta += tl.load(GTHETA + row).to(tl.float32)
-        g_k = tl.where(big, 0.0, g_s * m)
         g_n = tl.where(big, -sin_t / (n_hat_safe * n_hat_safe) * g_s, 0.0)  # d / d n_hat
-        if RATIONAL:  # theta_max^2 / (theta_max + |x|)^2, with no cancellation as theta -> theta_max
-            r = theta_max / (theta_max + tl.abs(k * n))
-            g_traw = g_theta * r * r
+        if GIVEN:  # theta is an input: nothing of it depends on k (alpha, g) or on n
+            tl.store(DANGLE + row, g_theta)
+            g_k = 0.0
         else:
-            t = theta / theta_max
-            g_traw = g_theta * (1.0 - t * t)
-        g_k += g_traw * n
-        g_n += g_traw * (k * m)
+            g_k = tl.where(big, 0.0, g_s * m)
+            if RATIONAL:  # theta_max^2 / (theta_max + |x|)^2, no cancellation as theta -> theta_max
+                r = theta_max / (theta_max + tl.abs(k * n))
+                g_traw = g_theta * r * r
+            else:
+                t = theta / theta_max
+                g_traw = g_theta * (1.0 - t * t)
+            g_k += g_traw * n
+            g_n += g_traw * (k * m)
 
         # n_hat = ||f_perp_hat|| (gradient 0 at 0, as torch's norm), f_perp_hat = f_hat - a_hat u.
         n_pos = tl.where(n_hat > 0.0, n_hat, 1.0)
@@ -280,7 +300,7 @@ def _check_kernel_inputs(u, f, rho, g, alpha, beta, gamma_next) -> None:
         )
 
 
-def nag_write_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound="tanh"):
+def nag_write_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound="tanh", angle=None):
     """Launch the forward. Returns the outputs (in the input shapes) and the 2-D tensors to save."""
     _check_kernel_inputs(u, f, rho, g, alpha, beta, gamma_next)
     shape = u.shape
@@ -290,6 +310,7 @@ def nag_write_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound="t
     n_rows = u2.shape[0]
     rho1 = rho.reshape(-1).contiguous()  # (rows,)
     g1 = None if g is None else g.reshape(-1).contiguous()
+    angle1 = None if angle is None else angle.reshape(-1).contiguous()
     gamma = None if gamma_next is None else gamma_next.contiguous()
     alpha, beta = alpha.reshape(()).contiguous(), beta.reshape(()).contiguous()
 
@@ -300,11 +321,11 @@ def nag_write_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound="t
     block_size, num_warps, _ = calculate_settings(d)
     if n_rows > 0:
         _nag_write_fwd_kernel[(n_rows,)](
-            u2, f2, rho1, g1, alpha, beta, gamma,
+            u2, f2, rho1, g1, alpha, beta, gamma, angle1,
             u_new, rho_new, theta, h_next,
             d, 1.0 / math.sqrt(d), math.sqrt(d), float(theta_max), EPS,
             HAS_G=g1 is not None, HAS_GAMMA=gamma is not None, RATIONAL=bound == "rational",
-            BLOCK_SIZE=block_size, num_warps=num_warps,
+            GIVEN=angle1 is not None, BLOCK_SIZE=block_size, num_warps=num_warps,
         )  # fmt: skip
     outs = (
         u_new.view(shape),
@@ -312,7 +333,7 @@ def nag_write_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound="t
         theta.view(shape[:-1]),
         None if h_next is None else h_next.view(shape),
     )
-    return outs, (u2, f2, g1, alpha, beta, gamma)
+    return outs, (u2, f2, g1, alpha, beta, gamma, angle1)
 
 
 def _num_programs(n_rows: int, device: torch.device) -> int:
@@ -323,8 +344,8 @@ def _num_programs(n_rows: int, device: torch.device) -> int:
 
 
 def nag_write_backward(saved, theta_max, grads, bound="tanh"):
-    """Launch the backward. Returns 2-D/1-D gradients for (u, f, g, alpha, beta, gamma_next)."""
-    u2, f2, g1, alpha, beta, gamma = saved
+    """Launch the backward. Returns 2-D/1-D gradients for (u, f, g, alpha, beta, gamma_next, angle)."""
+    u2, f2, g1, alpha, beta, gamma, angle1 = saved
     gu, grho, gtheta, gh = grads
     n_rows, d = u2.shape
     gu = None if gu is None else gu.reshape(n_rows, d).contiguous()
@@ -335,6 +356,7 @@ def nag_write_backward(saved, theta_max, grads, bound="tanh"):
     du = torch.empty_like(u2)
     df = torch.empty_like(f2)
     dg = None if g1 is None else torch.empty(n_rows, dtype=torch.float32, device=u2.device)
+    dangle = None if angle1 is None else torch.empty(n_rows, dtype=torch.float32, device=u2.device)
     n_prog = _num_programs(n_rows, u2.device)
     rows_per_program = triton.cdiv(n_rows, n_prog)
     n_prog = triton.cdiv(n_rows, rows_per_program) if n_rows > 0 else 1
@@ -344,11 +366,12 @@ def nag_write_backward(saved, theta_max, grads, bound="tanh"):
     block_size, _, num_warps = calculate_settings(d)
     if n_rows > 0:
         _nag_write_bwd_kernel[(n_prog,)](
-            u2, f2, g1, alpha, beta, gamma,
+            u2, f2, g1, alpha, beta, gamma, angle1,
             gu, grho, gtheta, gh,
-            du, df, dg, dalpha, dbeta, dgamma,
+            du, df, dg, dalpha, dbeta, dgamma, dangle,
             n_rows, d, rows_per_program, 1.0 / math.sqrt(d), math.sqrt(d), float(theta_max), EPS,
             HAS_G=g1 is not None, HAS_GAMMA=gamma is not None, RATIONAL=bound == "rational",
+            GIVEN=angle1 is not None,
             HAS_GU=gu is not None, HAS_GRHO=grho is not None,
             HAS_GTHETA=gtheta is not None, HAS_GH=gh is not None,
             BLOCK_SIZE=block_size, num_warps=num_warps,
@@ -357,5 +380,6 @@ def nag_write_backward(saved, theta_max, grads, bound="tanh"):
     dalpha = dalpha.sum().to(alpha.dtype)
     dbeta = dbeta.sum().to(beta.dtype)
     dgamma = None if dgamma is None else dgamma.sum(0).to(gamma.dtype)
-    return du, df, dg, dalpha, dbeta, dgamma
+    dangle = None if dangle is None else dangle.to(angle1.dtype)
+    return du, df, dg, dalpha, dbeta, dgamma, dangle
 

@@ -5,13 +5,17 @@ an operator like any other: `torch.compile` puts one node in the graph instead o
 (no graph break, no retracing of the Triton launch), AOTAutograd and FSDP see a single op with a
 registered backward, and fake tensors know its output shapes without running it.
 
-    nag_write(u, f, rho, g?, alpha, beta, theta_max, gamma_next?, bound, fused)
+    nag_write(u, f, rho, g?, alpha, beta, theta_max, gamma_next?, bound, fused, angle?)
         -> (u_new, rho_new, theta, h_next, rows)      h_next is empty (0,) without gamma_next; rows,
                                                       the reference's per-row numbers (..., 4) for
                                                       its backward, empty from the kernels
     nag_write_backward(u, f, g?, alpha, beta, theta_max, gamma_next?, bound, fused,
-                       grad_u?, grad_rho?, grad_theta?, grad_h?, rows?)
-        -> (du, df, dg, dalpha, dbeta, dgamma)        dg, dgamma empty without g, gamma_next
+                       grad_u?, grad_rho?, grad_theta?, grad_h?, rows?, angle?)
+        -> (du, df, dg, dalpha, dbeta, dgamma, dangle)   dg, dgamma, dangle empty without g,
+                                                         gamma_next, angle
+
+`angle`, given, is the angle each row turns by (the gated NAG), in place of the bounded size of
+the sublayer's tangential output.
 
 `fused` picks the implementation: the Triton kernels of `nag_write.py` (CUDA tensors, or CPU
 tensors under TRITON_INTERPRET=1) or the PyTorch reference, with the kernel's backward formulas
@@ -54,14 +58,16 @@ def _need_triton() -> None:
 @torch.library.custom_op(FORWARD, mutates_args=())
 def nag_write_op(
     u: Tensor, f: Tensor, rho: Tensor, g: Tensor | None, alpha: Tensor, beta: Tensor,
-    theta_max: float, gamma_next: Tensor | None, bound: str, fused: bool,
+    theta_max: float, gamma_next: Tensor | None, bound: str, fused: bool, angle: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     if fused:
         _need_triton()
-        outs, _ = _fused_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound)
+        outs, _ = _fused_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, angle)
         rows = _absent(u)  # the backward kernel recomputes its rows in registers
     else:
-        outs, rows = nag_write_reference(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, True)
+        outs, rows = nag_write_reference(
+            u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, True, angle=angle
+        )
     u_new, rho_new, theta, h_next = outs
     if h_next is None:
         h_next = _absent(u)
@@ -70,7 +76,7 @@ def nag_write_op(
 
 
 @nag_write_op.register_fake
-def _(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, fused):
+def _(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, fused, angle=None):
     h_next = _absent(u) if gamma_next is None else u.new_empty(u.shape)
     rows = _absent(u) if fused else u.new_empty((*rho.shape, 4), dtype=_compute_dtype(u.dtype))
     return u.new_empty(u.shape), rho.new_empty(rho.shape), rho.new_empty(rho.shape), h_next, rows
@@ -81,8 +87,8 @@ def nag_write_backward_op(
     u: Tensor, f: Tensor, g: Tensor | None, alpha: Tensor, beta: Tensor,
     theta_max: float, gamma_next: Tensor | None, bound: str, fused: bool,
     grad_u: Tensor | None, grad_rho: Tensor | None, grad_theta: Tensor | None, grad_h: Tensor | None,
-    rows: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    rows: Tensor | None = None, angle: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     grads = (grad_u, grad_rho, grad_theta, grad_h)
     if fused:
         _need_triton()
@@ -92,51 +98,54 @@ def nag_write_backward_op(
             None if g is None else g.reshape(-1).contiguous(),
             alpha.reshape(()).contiguous(), beta.reshape(()).contiguous(),
             None if gamma_next is None else gamma_next.contiguous(),
+            None if angle is None else angle.reshape(-1).contiguous(),
         )  # fmt: skip
-        du, df, dg, dalpha, dbeta, dgamma = _fused_backward(saved, theta_max, grads, bound)
+        du, df, dg, dalpha, dbeta, dgamma, dangle = _fused_backward(saved, theta_max, grads, bound)
         du, df = du.view(u.shape), df.view(f.shape)
         dg = None if dg is None else dg.view(g.shape)
         dalpha, dbeta = dalpha.view(alpha.shape), dbeta.view(beta.shape)
     else:
-        du, df, dg, dalpha, dbeta, dgamma = nag_write_reference_backward(
+        du, df, dg, dalpha, dbeta, dgamma, dangle = nag_write_reference_backward(
             u, f, g, alpha, beta, theta_max, gamma_next, bound, *grads,
-            rows=None if rows is None or rows.numel() == 0 else rows,
+            rows=None if rows is None or rows.numel() == 0 else rows, angle=angle,
         )
-    outs = (du, df, dg, dalpha, dbeta, dgamma)
-    like = (u, f, g, alpha, beta, gamma_next)
+    outs = (du, df, dg, dalpha, dbeta, dgamma, dangle)
+    like = (u, f, g, alpha, beta, gamma_next, angle)
     return tuple(_absent(u) if t is None else t.contiguous().view(x.shape) for t, x in zip(outs, like))
 
 
 @nag_write_backward_op.register_fake
 def _(u, f, g, alpha, beta, theta_max, gamma_next, bound, fused, grad_u, grad_rho, grad_theta, grad_h,
-      rows=None):
-    like = (u, f, g, alpha, beta, gamma_next)
+      rows=None, angle=None):
+    like = (u, f, g, alpha, beta, gamma_next, angle)
     return tuple(_absent(u) if t is None else t.new_empty(t.shape) for t in like)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, fused = inputs
+    u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, fused, *angle = inputs
+    angle = angle[0] if angle else None
     rows = output[4]  # the reference's per-row numbers (empty for the kernels): 16 bytes a token
-    ctx.save_for_backward(u, f, g, alpha, beta, gamma_next, rows)
+    ctx.save_for_backward(u, f, g, alpha, beta, gamma_next, rows, angle)
     ctx.theta_max, ctx.bound, ctx.fused, ctx.rho_dtype = theta_max, bound, fused, rho.dtype
     # Outputs that do not reach the loss (theta, usually) give None, and the kernel skips loading them.
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_u, grad_rho, grad_theta, grad_h, grad_rows):
-    u, f, g, alpha, beta, gamma_next, rows = ctx.saved_tensors
+    u, f, g, alpha, beta, gamma_next, rows, angle = ctx.saved_tensors
     if gamma_next is None:
         grad_h = None  # the empty placeholder output
     if all(t is None for t in (grad_u, grad_rho, grad_theta, grad_h)):
-        return (None,) * 10
-    du, df, dg, dalpha, dbeta, dgamma = nag_write_backward_op(
+        return (None,) * 11
+    du, df, dg, dalpha, dbeta, dgamma, dangle = nag_write_backward_op(
         u, f, g, alpha, beta, ctx.theta_max, gamma_next, ctx.bound, ctx.fused,
-        grad_u, grad_rho, grad_theta, grad_h, rows,
+        grad_u, grad_rho, grad_theta, grad_h, rows, angle,
     )  # fmt: skip
     # rho' = rho + (terms without rho): its gradient passes straight through.
     drho = None if grad_rho is None else grad_rho.to(ctx.rho_dtype)
     return (du, df, drho, None if g is None else dg, dalpha, dbeta, None,
-            None if gamma_next is None else dgamma, None, None)  # fmt: skip
+            None if gamma_next is None else dgamma, None, None,
+            None if angle is None else dangle)  # fmt: skip
 
 
 nag_write_op.register_autograd(_backward, setup_context=_setup_context)

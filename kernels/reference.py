@@ -19,6 +19,10 @@ lane::
     rho'    = rho + g * beta * a / sqrt(d)
     h_next  = sqrt(d) * u' * gamma_next   the next sublayer's read (optional)
 
+With a given `angle` (the gated NAG, which takes its angle from a learned gate on u rather than
+from n), theta = angle per row; alpha and the bound are unused, the turn is zero where n <= EPS
+(s = 0: there is no direction to turn toward), and g scales only the radial update.
+
 The final renormalisation costs one extra reduction and buys two things: `||u'||` stays at 1 to
 rounding even when `f` is huge or nearly parallel to `u` (where `cos^2 + s^2 n^2 = 1` holds only
 approximately), and `g = 0` is an exact identity bitwise, since then `raw == u` and `x / x == 1`.
@@ -85,6 +89,7 @@ def nag_write_reference(
     gamma_next: torch.Tensor | None = None,
     bound: str = "tanh",
     return_rows: bool = False,
+    angle: torch.Tensor | None = None,
 ):
     """One NAG write, in plain PyTorch.
 
@@ -99,6 +104,7 @@ def nag_write_reference(
         gamma_next: per-channel gain of the next read, shape (d,); None skips h_next.
         bound: how theta is bounded, one of BOUNDS.
         return_rows: also return the per-row numbers the backward would otherwise recompute.
+        angle: the angle to turn each row by, shape (...,), instead of bound(g alpha n / sqrt(d)).
 
     Returns:
         (u_new, rho_new, theta, h_next): u_new and h_next in u.dtype, rho_new and theta
@@ -124,13 +130,15 @@ def nag_write_reference(
     f_perp_hat = torch.addcmul(f_hat, a_hat[..., None], u32, value=-1)  # f_hat - a_hat u, (..., d)
     n_hat = torch.linalg.vector_norm(f_perp_hat, dim=-1)  # (...,)
     a, n = m * a_hat, m * n_hat
-    theta = bound_angle(k * n, theta_max, bound)
+    # a copy of a given angle: the theta output must not alias an input (custom operators forbid it)
+    theta = bound_angle(k * n, theta_max, bound) if angle is None else angle.to(ct, copy=True)
 
     # Divide by n only where it is safe; the where() on n itself keeps NaN out of the gradients.
     # s_hat = sin(theta) / n_hat multiplies f_perp / m: the same term as sin(theta) / n times f_perp.
     small = n <= EPS
     n_hat_safe = torch.where(small, torch.ones_like(n_hat), n_hat)
-    s_hat = torch.where(small, k * m, torch.sin(theta) / n_hat_safe)
+    limit = k * m if angle is None else torch.zeros_like(n)
+    s_hat = torch.where(small, limit, torch.sin(theta) / n_hat_safe)
 
     raw = torch.addcmul(torch.cos(theta)[..., None] * u32, s_hat[..., None], f_perp_hat)  # (..., d)
     norm_u = torch.linalg.vector_norm(u32, dim=-1)

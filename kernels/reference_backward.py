@@ -23,13 +23,14 @@ def nag_write_reference_backward(
     u: Tensor, f: Tensor, g: Tensor | None, alpha: Tensor, beta: Tensor, theta_max: float,
     gamma_next: Tensor | None, bound: str,
     grad_u: Tensor | None, grad_rho: Tensor | None, grad_theta: Tensor | None, grad_h: Tensor | None,
-    rows: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor | None]:  # fmt: skip
-    """Gradients (du, df, dg, dalpha, dbeta, dgamma) of a NAG write, each in its input's dtype;
-    dg and dgamma are None without g and gamma_next. Arguments as in `nag_write_reference`, g of
-    rho's shape, and the incoming gradients of (u', rho', theta, h_next), None where an output
-    does not reach the loss; `rows`, the forward's per-row numbers (`nag_write_reference`'s return_rows),
-    or None to recompute them. (rho's gradient is grad_rho itself and is not returned.)"""
+    rows: Tensor | None = None, angle: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+    """Gradients (du, df, dg, dalpha, dbeta, dgamma, dangle) of a NAG write, each in its input's
+    dtype; dg, dgamma and dangle are None without g, gamma_next and angle. Arguments as in
+    `nag_write_reference`, g of rho's shape, and the incoming gradients of (u', rho', theta,
+    h_next), None where an output does not reach the loss; `rows`, the forward's per-row numbers
+    (`nag_write_reference`'s return_rows), or None to recompute them. (rho's gradient is grad_rho
+    itself and is not returned.) With a given angle, alpha's gradient is zero."""
     d = u.shape[-1]
     ct = _compute_dtype(u.dtype)
     inv_sqrt_d, sqrt_d = 1.0 / math.sqrt(d), math.sqrt(d)
@@ -52,11 +53,12 @@ def nag_write_reference_backward(
         m, a_hat, n_hat, norm_u = rows.to(ct).unbind(-1)
         p = torch.addcmul(f32 * (1 / m)[..., None], a_hat[..., None], u32, value=-1)
     n = m * n_hat
-    theta = bound_angle(k * n, theta_max, bound)
+    given = angle is not None
+    theta = angle.to(ct) if given else bound_angle(k * n, theta_max, bound)
     c, s = torch.cos(theta), torch.sin(theta)
     big = n > EPS
     n_hat_safe = torch.where(big, n_hat, 1.0)
-    s_hat = torch.where(big, s / n_hat_safe, k * m)
+    s_hat = torch.where(big, s / n_hat_safe, 0.0 if given else k * m)
     uu, pu, pp = norm_u.square(), _dot(p, u32), n_hat.square()
     # raw = c u + s_hat p; its norm from the dot products (the forward took it from raw itself:
     # they differ by rounding, which only the gradients see)
@@ -89,14 +91,17 @@ def nag_write_reference_backward(
     g_theta = -s * g_cos + torch.where(big, c / n_hat_safe * g_s, 0.0)
     if grad_theta is not None:
         g_theta = g_theta + grad_theta.to(ct)
-    g_k = torch.where(big, 0.0, g_s * m)
     g_n = torch.where(big, -s / n_hat_safe.square() * g_s, 0.0)  # d / d n_hat
-    if bound == "rational":  # theta_max^2 / (theta_max + |x|)^2
-        g_x = g_theta * (theta_max / (theta_max + (k * n).abs())).square()
+    if given:  # theta is an input: nothing of it depends on k (alpha, g) or on n
+        g_k = torch.zeros_like(n)
     else:
-        g_x = g_theta * (1 - (theta / theta_max).square())
-    g_k = g_k + g_x * n
-    g_n = g_n + g_x * (k * m)
+        g_k = torch.where(big, 0.0, g_s * m)
+        if bound == "rational":  # theta_max^2 / (theta_max + |x|)^2
+            g_x = g_theta * (theta_max / (theta_max + (k * n).abs())).square()
+        else:
+            g_x = g_theta * (1 - (theta / theta_max).square())
+        g_k = g_k + g_x * n
+        g_n = g_n + g_x * (k * m)
     n_pos = torch.where(n_hat > 0, n_hat, 1.0)
 
     # g_p = s_hat g_raw + (g_n / n_hat) p (n_hat = ||p||, gradient 0 at 0 as torch's norm), in
@@ -125,6 +130,7 @@ def nag_write_reference_backward(
         du.to(u.dtype), df.to(f.dtype), None if g is None else g_g.to(g.dtype),
         dalpha.to(alpha.dtype).reshape(alpha.shape), dbeta.to(beta.dtype).reshape(beta.shape),
         None if dgamma is None else dgamma.to(gamma_next.dtype),
+        g_theta.to(angle.dtype) if given else None,
     )  # fmt: skip
 
 

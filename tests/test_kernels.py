@@ -405,6 +405,63 @@ def test_reference_gradcheck(f_kind, bound, path):
     assert (n > EPS).all() if f_kind != "below_eps" else (n < EPS).all()
 
 
+@pytest.mark.parametrize("path", ["reference", "op"])
+@pytest.mark.parametrize("f_kind", ["generic", "small_n", "below_eps"])
+def test_given_angle_gradcheck(f_kind, path):
+    """The gated NAG's write: theta is an input, and its gradient flows back to it."""
+    x = gradcheck_inputs(f_kind)
+    x["angle"] = torch.rand(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    names = ["u", "f", "rho", "g", "alpha", "beta", "gamma_next", "angle"]
+    args = tuple(x[k].clone().requires_grad_(True) for k in names)
+
+    def fn(u, f, rho, g, alpha, beta, gamma_next, angle):
+        if path == "op":
+            return nag_write(u, f, rho, g, alpha, beta, THETA_MAX, gamma_next, backend="torch", angle=angle)
+        return nag_write_reference(u, f, rho, g, alpha, beta, THETA_MAX, gamma_next, angle=angle)
+
+    # The direction f_perp / n turns by O(step / n) per step of f: near n = 1e-4 the steps must
+    # be far below n for differences to be linear.
+    eps = {"generic": 1e-6, "small_n": 1e-10, "below_eps": 1e-10}[f_kind]
+    atol = 1e-5 if f_kind == "generic" else 1e-4
+    assert torch.autograd.gradcheck(fn, args, eps=eps, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+def test_given_angle_is_the_turn(dtype):
+    """theta = angle whatever f's size; acos(<u, u'>) = angle; no turn where f has no tangential
+    part; angle 0 is an exact identity of u (rho still moves by g beta a / sqrt(d))."""
+    inputs = make_inputs((4, 6), 32, dtype)
+    angle = torch.linspace(0.0, 1.2, 24).view(4, 6).to(inputs["rho"].dtype)
+    inputs["f"][0, 0] = 2 * inputs["u"][0, 0]  # parallel: nothing to turn toward
+    a = torch.linalg.vecdot(inputs["f"].float(), inputs["u"].float())
+    rho_want = inputs["rho"].float() + inputs["g"].float() * 0.3 * a / math.sqrt(32)
+    for u_new, rho_new, theta, _ in kernel_and_reference({**inputs, "angle": angle}):
+        assert torch.equal(theta, angle)
+        torch.testing.assert_close(rho_new.float(), rho_want, **TOLS[dtype])
+        cos = torch.linalg.vecdot(u_new.double(), inputs["u"].double()).clamp(-1, 1)
+        want = angle.double().clone()
+        want[0, 0] = 0.0
+        tol = {torch.float32: 1e-3, torch.bfloat16: 6e-2, torch.float16: 1e-2}[dtype]
+        torch.testing.assert_close(torch.acos(cos), want, atol=tol, rtol=0)
+        assert unit_norm_error(u_new) < tol
+    zero = {**inputs, "angle": torch.zeros_like(angle)}
+    for u_new, *_ in kernel_and_reference(zero):
+        assert torch.equal(u_new, inputs["u"])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("lead,d,gamma,gate,alpha", [SHAPES[0], SHAPES[1], SHAPES[4]], ids=lambda v: str(v))
+def test_kernel_matches_reference_with_given_angle(lead, d, gamma, gate, alpha, dtype):
+    if d == 123 and dtype != torch.float32:
+        lead = (2, 123)
+    inputs = make_inputs(lead, d, dtype, gamma=gamma, gate=gate, alpha=alpha)
+    inputs["angle"] = torch.rand(lead, generator=torch.Generator().manual_seed(7)) * 0.8
+    outs, grads = compare_to_reference(inputs, dtype)
+    torch.testing.assert_close(outs[2], inputs["angle"].to(outs[2].dtype))  # theta in rho's dtype
+    assert grads["angle"].abs().max() > 0 and not grads["alpha"].any()
+
+
 def test_backend_names():
     x = make_inputs((2,), 4, torch.float32)
     with pytest.raises(ValueError, match="valid choices: auto, triton, torch"):

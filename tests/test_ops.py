@@ -63,6 +63,23 @@ def test_opcheck_backward(bound):
     )
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+def test_opcheck_given_angle(fused):
+    """The gated NAG's write: the angle is an input with a gradient, forward and backward ops."""
+    if fused and not KERNEL_RUNS:
+        pytest.skip("needs triton with CUDA or TRITON_INTERPRET=1")
+    args = op_args(gate=True, gamma=True, bound="tanh", fused=fused)
+    angle = torch.rand(2, 3, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    torch.library.opcheck(nag_write_op, (*args, angle))
+    u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, _ = args
+    detached = [t.detach() for t in (u, f, g, alpha, beta)]
+    grads = (torch.randn_like(u), torch.randn_like(rho), torch.randn_like(rho), torch.randn_like(u))
+    torch.library.opcheck(
+        nag_write_backward_op,
+        (*detached, theta_max, gamma_next.detach(), bound, fused, *grads, None, angle.detach()),
+    )
+
+
 @pytest.mark.skipif(not KERNEL_RUNS, reason="needs triton with CUDA or TRITON_INTERPRET=1")
 def test_opcheck_fused():
     device = "cuda" if torch.cuda.is_available() and not interpreter_active() else "cpu"
