@@ -5,16 +5,16 @@ angle"). Plugins outside the package, named by dotted path, e.g.
         --model.arch.n_layers=8 --seed_everything=1 --model.arch.init_std=0.125 --model.lr=1.2e-2 \
         --model.arch.residual=nag_angle_variants.GatedNAG
 
-- `GatedNAG` (now the package's `angle: gate` option of `nag`): the angle is a learned per-token
-  gate, theta = theta_max * sigmoid(sqrt(d) <w_l, u> + b_l) (times the router's g), and the sublayer
-  only supplies the direction f_perp / |f_perp|. The angle is known before the sublayer runs, from
-  the token's own state, so a token whose angle is small can skip it without a separate predictor;
-  and the size of f no longer feeds the angle, so Adam cannot push every token to the bound by
-  growing the sublayer's output.
+- `GatedNAG` (now the package's default angle of `nag`, with a bound of 8/N there): the angle is a
+  learned per-token gate, theta = theta_max * sigmoid(sqrt(d) <w_l, u> + b_l) (times the router's
+  g), and the sublayer only supplies the direction f_perp / |f_perp|. The angle is known before the
+  sublayer runs, from the token's own state, so a token whose angle is small can skip it without a
+  separate predictor; and the size of f no longer feeds the angle, so Adam cannot push every token
+  to the bound by growing the sublayer's output.
 - `RelativeNAG`: theta = theta_max * tanh(alpha * sqrt(N) * c * n / ema(n)): the update's size
   relative to the sublayer's running mean, so scaling a sublayer up cannot saturate every token.
 
-Both run the write in plain PyTorch (no kernel).
+Both turn u through `nag_kernels.nag_write` with the angle given.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import math
 
 import torch
 
-from nag_lightning.residuals.nag import NAGResidual, rotate
+from nag_kernels import nag_write
+from nag_lightning.residuals.nag import NAGResidual
 
 
 class GatedNAG(NAGResidual):
@@ -69,6 +70,8 @@ class RelativeNAG(NAGResidual):
         relative = n / self.n_ema[index].clamp_min(1e-6)
         x = g * self.alpha[index] * math.sqrt(self.n_sublayers) * self.rel_scale * relative
         theta = self.theta_max * torch.tanh(x)
-        u_new, a = rotate(u, f, theta)
-        rho_new = rho.float() + g * self.beta[index] * a / math.sqrt(self.d_model)
-        return (u_new.to(u.dtype), rho_new.to(rho.dtype)), theta.detach().abs()
+        u_new, rho_new, theta, _ = nag_write(
+            u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max,
+            backend=self.kernel, angle=theta,
+        )  # fmt: skip
+        return (u_new, rho_new), theta.detach().abs()

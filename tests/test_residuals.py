@@ -56,7 +56,7 @@ def test_nag_gate_zero_is_exact_identity():
 
 
 def test_nag_applied_angle_equals_theta_and_is_bounded():
-    strategy = nag(alpha_init=2.0)
+    strategy = nag(angle="magnitude", alpha_init=2.0)
     u, rho = unit_state(strategy)
     for scale in (0.1, 1.0, 100.0):
         f = scale * sublayer_outputs(u)["random"]
@@ -127,7 +127,9 @@ def test_nag_rejects_bad_options():
 
 def test_nag_defaults_scale_the_bound_with_depth_and_read_the_norm_lane():
     strategy = nag()  # 8 sublayers
-    assert strategy.theta_max == 4 / 8 and strategy.norm_lane_readout and strategy.bound == "tanh"
+    assert strategy.angle == "gate" and strategy.theta_max == 8 / 8 and strategy.norm_lane_readout
+    magnitude = nag(angle="magnitude")
+    assert magnitude.theta_max == 4 / 8 and magnitude.bound == "tanh" and not hasattr(magnitude, "gate_w")
 
 
 def test_nag_checkpoint_carries_its_settings():
@@ -142,10 +144,10 @@ def test_nag_checkpoint_carries_its_settings():
 
 def test_nag_checkpoint_without_settings_gets_the_defaults_of_its_time():
     """State dicts from before the settings were saved: theta_max 2/N and no readout, unless given."""
-    old = {k: v for k, v in nag().state_dict().items() if k != "_extra_state"}
+    old = {k: v for k, v in nag(angle="magnitude").state_dict().items() if k != "_extra_state"}
     loaded = nag()
     loaded.load_state_dict(old)
-    assert (loaded.theta_max, loaded.norm_lane_readout) == (2 / 8, False)
+    assert (loaded.theta_max, loaded.norm_lane_readout, loaded.angle) == (2 / 8, False, "magnitude")
     given = nag(theta_max=1.0, norm_lane_readout=True)
     given.load_state_dict(old)
     assert (given.theta_max, given.norm_lane_readout) == (1.0, True)
@@ -306,8 +308,6 @@ def test_gated_nag_gate_zero_is_identity_and_options_are_checked():
     assert torch.equal(u_new, u) and torch.equal(rho_new, rho) and torch.equal(angle, torch.zeros(ROWS))
     with pytest.raises(ValueError, match="angle must be one of"):
         nag(angle="size")
-    with pytest.raises(ValueError, match="runs in PyTorch only; use kernel 'auto' or 'torch'"):
-        nag(angle="gate", kernel="triton")
 
 
 def test_gated_nag_checkpoint_carries_its_angle():
@@ -315,7 +315,48 @@ def test_gated_nag_checkpoint_carries_its_angle():
     loaded = nag(angle="gate")
     loaded.load_state_dict(trained.state_dict())
     assert loaded.angle == "gate" and torch.equal(loaded.gate_b, trained.gate_b)
-    assert nag().get_extra_state()["angle"] == "magnitude"
+    assert nag().get_extra_state()["angle"] == "gate"
+    magnitude_state = nag(angle="magnitude").get_extra_state()
     with pytest.raises(ValueError, match="trained with angle=magnitude; this model was given angle=gate"):
         gate_only = {k: v for k, v in nag(angle="gate").state_dict().items() if k != "_extra_state"}
-        nag(angle="gate").load_state_dict({**gate_only, "_extra_state": nag().get_extra_state()})
+        nag(angle="gate").load_state_dict({**gate_only, "_extra_state": magnitude_state})
+
+
+def test_a_magnitude_checkpoint_loads_into_a_model_built_with_the_defaults():
+    """Checkpoints from before the gate became the default: a model built without `angle` drops
+    its gate and writes exactly as the trained one; one given angle='gate' refuses it."""
+    trained = nag(angle="magnitude", beta_init=0.4)
+    loaded = nag()
+    loaded.load_state_dict(trained.state_dict())
+    assert loaded.angle == "magnitude" and loaded.theta_max == 4 / 8
+    assert not any("gate" in name for name, _ in loaded.named_parameters())
+    u, rho = unit_state(loaded)
+    f = sublayer_outputs(u)["random"]
+    for a, b in zip(loaded.write((u, rho), f, None, 2), trained.write((u, rho), f, None, 2)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="trained with angle=magnitude; this model was given angle=gate"):
+        nag(angle="gate").load_state_dict(trained.state_dict())
+
+
+def test_gated_write_runs_the_triton_kernel_as_the_reference():
+    """The default angle takes the fused kernel too (under the interpreter on CPU)."""
+    from nag_kernels.nag_write import interpreter_active
+
+    if not interpreter_active() and not torch.cuda.is_available():
+        pytest.skip("needs triton with CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() and not interpreter_active() else "cpu"
+    torch_write, triton_write = gated_nag(beta_init=0.3), gated_nag(beta_init=0.3, kernel="triton")
+    triton_write.load_state_dict(torch_write.state_dict())
+    triton_write.to(device)
+    u, rho = unit_state(torch_write)
+    f = sublayer_outputs(u)["random"].requires_grad_()
+    gate = torch.rand(ROWS)
+    outs = []
+    for strategy, dev in ((torch_write, "cpu"), (triton_write, device)):
+        ff = f.detach().to(dev).requires_grad_()
+        (u_new, rho_new), theta = strategy.write((u.to(dev), rho.to(dev)), ff, gate.to(dev), 2)
+        (u_new.sum(-1) * torch.arange(ROWS, device=dev) + rho_new).sum().backward()
+        outs.append((u_new.cpu(), rho_new.cpu(), theta.cpu(), ff.grad.cpu(), strategy.gate_w.grad.cpu()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    assert outs[0][4].abs().max() > 0  # the gate learns through the write

@@ -2,27 +2,27 @@
 Depth with Norm-Agnostic Residual Networks"), in the formulation of DESIGN section 2.
 
 A token's state is a unit direction u and a log-norm rho, kept in separate lanes. Sublayers read
-only the direction and write a bounded rotation of it; their radial part moves rho:
+only the direction and write a rotation of it by at most θmax; their radial part moves rho. The
+angle comes from a learned gate on the token's own direction, the direction of the turn from
+the sublayer's tangential output f⊥:
 
-    u ──┬─> √d·u·γ_l ─> F_l ─> f ─> a = <f,u>, f⊥ = f - a·u, θ = θmax·tanh(g·α_l·|f⊥| / (√d·θmax))
-        │                           │
-        └───────────────────────────┴─> u' = cos θ · u + sin θ · f⊥/|f⊥|      (|u'| = 1)
+    u ──┬─> √d·u·γ_l ─> F_l ─> f ─> a = <f,u>, f⊥ = f - a·u
+        ├─> θ = θmax·sigmoid(√d·<w_l, u> + b_l)·g        (θmax = 8/N by default)
+        └───────────────────────────────> u' = cos θ · u + sin θ · f⊥/|f⊥|      (|u'| = 1)
     rho ───────────────────────────────> rho' = rho + g·β_l·a/√d
 
 Since every sublayer turns u by at most θmax whatever the state's history, a late layer matters as
-much as an early one; θ is also the sublayer's contribution, the number routers threshold on. The update runs
-through `nag_kernels.nag_write`: a fused Triton kernel on CUDA, the PyTorch reference elsewhere.
+much as an early one; θ is also the sublayer's contribution, the number routers threshold on. The
+update runs through `nag_kernels.nag_write`: a fused Triton kernel on CUDA, the PyTorch reference
+elsewhere.
 
-`angle="gate"` takes the angle from a learned gate on the token's own direction instead of from
-the size of f, and only the direction f⊥/|f⊥| from the sublayer:
-
-    θ = θmax·sigmoid(√d·<w_l, u> + b_l)·g            (θmax defaults to 8/N here)
-
-With the size-driven angle, Adam grows |f⊥| until nearly every token sits on the bound (the
-q10/q90 spread of θ across tokens measured 0.99-1.00 at NAG's best learning rate): θ then says
-nothing about which token a sublayer matters for. The gate cannot be pushed to the bound by
-scaling the sublayer, and it is known before the sublayer runs (docs/results.md, section 0).
-It runs in PyTorch (no fused kernel yet).
+`angle="magnitude"`, the first formulation and the default until the gate was measured, takes the
+angle from the size of f instead: θ = θmax·tanh(g·α_l·|f⊥| / (√d·θmax)) (θmax = 4/N). Adam then
+grows |f⊥| until nearly every token sits on the bound (the q10/q90 spread of θ across tokens
+measured 0.99-1.00 at NAG's best learning rate), and θ says nothing about which tokens a sublayer
+matters for. The gate cannot be pushed to the bound by scaling the sublayer, it is known before
+the sublayer runs, and it trained better at every depth measured (docs/results.md, sections 0
+and 2).
 """
 
 from __future__ import annotations
@@ -40,21 +40,6 @@ ANGLES = ("magnitude", "gate")
 gate on the token's direction."""
 
 
-def rotate(u: Tensor, f: Tensor, theta: Tensor) -> tuple[Tensor, Tensor]:
-    """Turn unit rows u by theta toward f's part orthogonal to u (no turn where that part vanishes),
-    in fp32; returns the new direction, renormalised to u's norm, and the radial part a = <f, u>."""
-    u32, f32 = u.float(), f.float()
-    a = torch.linalg.vecdot(f32, u32)
-    f_perp = torch.addcmul(f32, a[..., None], u32, value=-1)
-    n = torch.linalg.vector_norm(f_perp, dim=-1)
-    small = n <= 1e-6
-    s = torch.where(small, torch.zeros_like(n), torch.sin(theta) / torch.where(small, 1.0, n))
-    raw = torch.addcmul(torch.cos(theta)[..., None] * u32, s[..., None], f_perp)
-    # times ||u|| / ||raw||, not / ||raw||: where theta = 0, raw is u and the ratio exactly 1
-    scale = torch.linalg.vector_norm(u32, dim=-1) / torch.linalg.vector_norm(raw, dim=-1)
-    return raw * scale[..., None], a
-
-
 @RESIDUALS.register("nag")
 class NAGResidual(ResidualStrategy):
     """Direction lane u (unit norm) and log-norm lane rho; sublayers apply controlled rotations.
@@ -63,22 +48,26 @@ class NAGResidual(ResidualStrategy):
         d_model: width of the residual stream.
         n_sublayers: number of sublayers that read and write the stream.
         theta_max: bound on the angle one sublayer may turn a token by, in radians; None means
-            4 / n_sublayers. Rotations toward a direction shared by many tokens add up linearly
+            min(8 / n_sublayers, pi / 2) for the gated angle, 4 / n_sublayers for the magnitude
+            angle. Rotations toward a direction shared by many tokens add up linearly
             over depth and shrink what tells tokens apart by cos(theta) per sublayer, so the bound
             must fall like 1/depth: with pi/2 (width 64, 8 or 16 blocks) every token collapsed
-            onto one direction within three blocks and training stalled at unigram loss. 4/N
-            with the norm lane at readout beat 2/N and 8/N (docs/results.md).
-        alpha_init: initial rotation scale of every sublayer; None means 1/sqrt(n_sublayers).
+            onto one direction within three blocks and training stalled at unigram loss. For
+            the magnitude angle 4/N beat 2/N and 8/N; the gate, which learns to turn most
+            tokens well below the bound, did better with 8/N than 4/N (docs/results.md).
+        alpha_init: initial rotation scale of every sublayer (magnitude angle only); None means
+            1/sqrt(n_sublayers).
         beta_init: initial scale of the radial (log-norm) update of every sublayer.
         norm_lane_readout: multiply the logits by exp(clamp(rho, -4, 4)), so the norm lane acts as
             a per-token inverse temperature; None means on. Without it nothing reads rho, beta
             gets no gradient, and with theta_max = 4/N training first stalls at unigram loss.
-        bound: how the angle approaches theta_max: "tanh" (saturates exponentially) or
-            "rational" (x / (1 + |x| / theta_max), whose gradient decays only like 1/x^2).
+        bound: how the magnitude angle approaches theta_max: "tanh" (saturates exponentially)
+            or "rational" (x / (1 + |x| / theta_max), whose gradient decays only like 1/x^2).
         kernel: "auto" (Triton on CUDA tensors, PyTorch elsewhere), "triton" or "torch".
-        angle: "magnitude" (the bounded size of the sublayer's tangential output, above) or
-            "gate" (theta_max * sigmoid(sqrt(d) <w_l, u> + b_l) * g, see the module docstring;
-            theta_max then defaults to 8 / n_sublayers; alpha and bound are unused).
+        angle: "gate" (theta_max * sigmoid(sqrt(d) <w_l, u> + b_l) * g; alpha and bound are
+            unused) or "magnitude" (the bounded size of the sublayer's tangential output); see
+            the module docstring. None means "gate", or, when a checkpoint is loaded, the angle
+            it was trained with.
         gate_bias: initial b_l of the gated angle (0: every token starts at theta_max / 2).
     """
 
@@ -92,21 +81,20 @@ class NAGResidual(ResidualStrategy):
         norm_lane_readout: bool | None = None,
         bound: str = "tanh",
         kernel: str = "auto",
-        angle: str = "magnitude",
+        angle: str | None = None,
         gate_bias: float = 0.0,
     ) -> None:
         super().__init__(d_model, n_sublayers)
         # Which settings were given, not defaulted: a checkpoint written before the settings were
         # saved in it (see _load_from_state_dict) was trained under the defaults of that time.
         self._given = {"theta_max": theta_max is not None, "norm_lane_readout": norm_lane_readout is not None,
-                       "bound": bound != "tanh", "angle": angle != "magnitude"}
+                       "bound": bound != "tanh", "angle": angle is not None}
+        angle = "gate" if angle is None else angle
         if angle not in ANGLES:
             raise ValueError(f"angle must be one of {ANGLES}; got {angle!r}.")
-        if angle == "gate" and kernel == "triton":
-            raise ValueError("The gated angle (angle='gate') runs in PyTorch only; use kernel 'auto' or "
-                             "'torch'.")
         if theta_max is None:
-            theta_max = (8.0 if angle == "gate" else 4.0) / n_sublayers
+            # at most a right angle: in a model of one or two blocks 8/N would exceed it
+            theta_max = min(8.0 / n_sublayers, math.pi / 2) if angle == "gate" else 4.0 / n_sublayers
         norm_lane_readout = True if norm_lane_readout is None else norm_lane_readout
         if not 0 < theta_max <= math.pi:
             raise ValueError(f"theta_max must be in (0, pi] radians; got {theta_max}.")
@@ -127,6 +115,8 @@ class NAGResidual(ResidualStrategy):
         if angle == "gate":  # only then: a magnitude-angle checkpoint keeps its parameters
             self.gate_w = nn.Parameter(torch.zeros(n_sublayers, d_model))
             self.gate_b = nn.Parameter(torch.full((n_sublayers,), float(gate_bias)))
+
+    GATE_PARAMETERS = ("gate_w", "gate_b")
 
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
@@ -157,8 +147,17 @@ class NAGResidual(ResidualStrategy):
                 "theta_max": self.theta_max if self._given["theta_max"] else 2.0 / self.n_sublayers,
                 "norm_lane_readout": self.norm_lane_readout if self._given["norm_lane_readout"] else False,
                 "bound": self.bound,
-                "angle": self.angle,
+                "angle": "magnitude",
             }
+        saved = state_dict[key]
+        if isinstance(saved, dict) and not self._given["angle"]:
+            # A checkpoint of the magnitude angle (every one written before the gate became the
+            # default) into a model built with the defaults: it has no gate, so the model drops
+            # its own before the parameters are matched. (The settings follow in set_extra_state.)
+            if saved.get("angle", "magnitude") == "magnitude" and self.angle == "gate":
+                for name in self.GATE_PARAMETERS:
+                    delattr(self, name)
+                self.angle = "magnitude"
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def init_state(self, embedding: Tensor) -> State:
@@ -183,13 +182,21 @@ class NAGResidual(ResidualStrategy):
         )
         return (u_new, rho_new), theta.detach().abs()
 
-    def _gated_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
+    def gate_angle(self, u: Tensor, index: int) -> Tensor:
+        """The gated angle of every token before any router's gate, (...,) in fp32: known from the
+        token's own direction before the sublayer runs."""
         score = math.sqrt(self.d_model) * (u.float() @ self.gate_w[index].float()) + self.gate_b[index]
-        g = 1.0 if gate is None else gate.float()
-        theta = self.theta_max * torch.sigmoid(score) * g
-        u_new, a = rotate(u, f, theta)
-        rho_new = rho.float() + g * self.beta[index] * a / math.sqrt(self.d_model)
-        return (u_new.to(u.dtype), rho_new.to(rho.dtype)), theta.detach().abs()
+        return self.theta_max * torch.sigmoid(score)
+
+    def _gated_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
+        theta = self.gate_angle(u, index)
+        if gate is not None:
+            theta = theta * gate.float()
+        u_new, rho_new, theta, _ = nag_write(
+            u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max,
+            backend=self.kernel, angle=theta,
+        )  # fmt: skip
+        return (u_new, rho_new), theta.detach().abs()
 
     def final(self, state: State) -> tuple[Tensor, Tensor | None]:
         u, rho = state
