@@ -523,14 +523,16 @@ COMPILE_SCRIPT = textwrap.dedent(
     m = sys.modules["nag_kernels.nag_write"]
     INTS = {"n_rows", "n_cols", "rows_per_program"}
     DATA = {"U", "F", "U_OUT", "H_OUT", "GU_NEW", "GH", "DU", "DF"}  # pointers in the input dtype
-    CASES = [("fp32", 1, True), ("bf16", 4096, True), ("fp16", 100, False), ("bf16", 16384, True)]
+    # (dtype, d, every flag but GIVEN, GIVEN): GIVEN=True leaves the bound's code out
+    CASES = [("fp32", 1, True, False), ("bf16", 4096, True, True), ("fp16", 100, False, False),
+             ("bf16", 16384, True, False), ("fp16", 64, False, True)]
 
-    def compile(kernel, dtype, d, flags, warps):
+    def compile(kernel, dtype, d, flags, given, warps):
         sig, consts = {}, {}
         for i, name in enumerate(kernel.arg_names):
             if kernel.params[i].is_constexpr:
                 sig[name] = "constexpr"
-                consts[name] = triton.next_power_of_2(d) if name == "BLOCK_SIZE" else flags
+                consts[name] = {"BLOCK_SIZE": triton.next_power_of_2(d), "GIVEN": given}.get(name, flags)
             elif name in INTS:
                 sig[name] = "i32"
             elif name.islower():
@@ -540,10 +542,10 @@ COMPILE_SCRIPT = textwrap.dedent(
         src = ASTSource(kernel, sig, consts)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
-    for dtype, d, flags in CASES:
+    for dtype, d, flags, given in CASES:
         _, fw, bw = m.calculate_settings(d)
         for kernel, warps in ((m._nag_write_fwd_kernel, fw), (m._nag_write_bwd_kernel, bw)):
-            ptx = compile(kernel, dtype, d, flags, warps).asm["ptx"]
+            ptx = compile(kernel, dtype, d, flags, given, warps).asm["ptx"]
             assert ".entry" in ptx
     print("compiled")
     """
