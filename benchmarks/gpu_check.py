@@ -178,7 +178,8 @@ def free_memory(check: Check) -> None:
 
 
 def kernels(check: Check) -> dict:
-    """Forward and every gradient of the Triton NAG write against the PyTorch reference."""
+    """Forward and every gradient of the Triton NAG write against the PyTorch reference, with the
+    angle from the bound (magnitude) and given (the gated NAG, the default)."""
     import torch
 
     import nag_kernels
@@ -188,32 +189,35 @@ def kernels(check: Check) -> dict:
     from bench_nag_write import DTYPES, THETA_MAX, make_inputs
 
     results, worst = [], {}
-    for dtype_name in ("fp32", "bf16"):
-        for rows, d in check.sizes["kernel_shapes"]:
-            x = make_inputs(rows, d, DTYPES[dtype_name], check.device, requires_grad=False)
-            gen = torch.Generator(device=check.device).manual_seed(1)
-            cotangents = [torch.randn(x["u"].shape, device=check.device, generator=gen),
-                          torch.randn(x["rho"].shape, device=check.device, generator=gen), None,
-                          torch.randn(x["u"].shape, device=check.device, generator=gen)]
-            runs = {}
-            for backend in ("triton", "torch"):
-                leaves = {k: v.detach().clone().requires_grad_(True) for k, v in x.items()}
-                outs = nag_kernels.nag_write(**leaves, theta_max=THETA_MAX, backend=backend)
-                loss = sum((o.float() * c).sum() for o, c in zip(outs, cotangents) if c is not None)
-                loss.backward()
-                names = ("u_new", "rho_new", "theta", "h_next")
-                runs[backend] = {**dict(zip(names, outs)), **{f"grad_{k}": v.grad for k, v in leaves.items()}}
-            errors = {}
-            for name, want in runs["torch"].items():
-                got = runs["triton"][name]
-                if want is None or got is None:
-                    errors[name] = 0.0 if want is got else float("inf")
-                    continue
-                scale = want.float().abs().max().clamp_min(1e-6)
-                errors[name] = ((got.float() - want.float()).abs().max() / scale).item()
-            results.append({"dtype": dtype_name, "rows": rows, "d": d,
-                            "max_relative_error": max(errors.values()), "errors": errors})
-            worst[dtype_name] = max(worst.get(dtype_name, 0.0), max(errors.values()))
+    cases = [(dtype_name, rows, d, angle) for dtype_name in ("fp32", "bf16")
+             for rows, d in check.sizes["kernel_shapes"] for angle in ("magnitude", "given")]
+    for dtype_name, rows, d, angle in cases:
+        x = make_inputs(rows, d, DTYPES[dtype_name], check.device, requires_grad=False)
+        gen = torch.Generator(device=check.device).manual_seed(1)
+        if angle == "given":
+            x["angle"] = 0.5 * torch.rand(rows, device=check.device, generator=gen)
+        cotangents = [torch.randn(x["u"].shape, device=check.device, generator=gen),
+                      torch.randn(x["rho"].shape, device=check.device, generator=gen), None,
+                      torch.randn(x["u"].shape, device=check.device, generator=gen)]
+        runs = {}
+        for backend in ("triton", "torch"):
+            leaves = {k: v.detach().clone().requires_grad_(True) for k, v in x.items()}
+            outs = nag_kernels.nag_write(**leaves, theta_max=THETA_MAX, backend=backend)
+            loss = sum((o.float() * c).sum() for o, c in zip(outs, cotangents) if c is not None)
+            loss.backward()
+            names = ("u_new", "rho_new", "theta", "h_next")
+            runs[backend] = {**dict(zip(names, outs)), **{f"grad_{k}": v.grad for k, v in leaves.items()}}
+        errors = {}
+        for name, want in runs["torch"].items():
+            got = runs["triton"][name]
+            if want is None or got is None:
+                errors[name] = 0.0 if want is got else float("inf")
+                continue
+            scale = want.float().abs().max().clamp_min(1e-6)
+            errors[name] = ((got.float() - want.float()).abs().max() / scale).item()
+        results.append({"dtype": dtype_name, "rows": rows, "d": d, "angle": angle,
+                        "max_relative_error": max(errors.values()), "errors": errors})
+        worst[dtype_name] = max(worst.get(dtype_name, 0.0), max(errors.values()))
     met = all(worst[k] <= KERNEL_TOLERANCE[k] for k in worst)
     summary = ", ".join(f"{k}: worst {v:.1e} (tolerance {KERNEL_TOLERANCE[k]:.0e})" for k, v in worst.items())
     return {"results": results, "goal_met": met, "summary": summary}
