@@ -304,7 +304,10 @@ class Sublayer(nn.Module):
             return self._oracle(state, strategy)
         # (B, T, C); cast for models held in low precision while the state lanes stay fp32
         h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
-        route: Route = self.router(h)
+        if self.router.reads_planned_angle:
+            route: Route = self.router(h, planned_angle=strategy.planned_angle(state, self.index))
+        else:
+            route = self.router(h)
         executed = route.executed if cached is None else cached.executes(route.executed)
         need_angle = cached is None and (self.record or getattr(self.router, "needs_contribution", False))
         if executed is None:

@@ -460,3 +460,73 @@ def test_bad_route_kinds_on_the_command_line(capsys):
     err = capsys.readouterr().err
     assert "route_kinds names sublayer kinds ['ffn'] that do not exist" in err
     assert "Traceback" not in err
+
+
+# --------------------------------------------------------------------------------------------------
+# Threshold router with the angle predictor: it reads the gated NAG's own angle
+# --------------------------------------------------------------------------------------------------
+
+
+def gated_threshold(seq_len: int = T, **options) -> Transformer:
+    """A tiny gated NAG with threshold routers that read its angle; the gates get random weights,
+    so the angle differs from token to token (at init every token turns by theta_max / 2)."""
+    model = tiny("nag", "threshold", seq_len=seq_len, router_options={"predictor": "angle", **options})
+    with torch.no_grad():
+        model.strategy.gate_w.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(3))
+    return model
+
+
+def test_angle_predictor_skips_where_the_residuals_angle_is_below_tau():
+    tau = math.pi / 4  # theta_max is pi / 2 at 2 blocks: about half the tokens skip each sublayer
+    model = gated_threshold(tau=tau, warmup_steps=0).eval()
+    seen = []
+
+    def check(router, args, kwargs, route):
+        planned = kwargs["planned_angle"]
+        assert torch.equal(route.executed, planned >= tau)
+        seen.append(route.executed.float().mean().item())
+
+    hooks = [s.router.register_forward_hook(check, with_kwargs=True) for s in model.sublayers]
+    with torch.no_grad():
+        model(tokens())
+    for hook in hooks:
+        hook.remove()
+    assert len(seen) == 4 and all(0.1 < share < 0.9 for share in seen)
+    router = model.sublayers[0].router
+    assert not list(router.parameters()) and router.flops_per_token() == 0
+    # the planned angle is the angle the write turns an executed token by
+    state = model.strategy.init_state(model.embed(tokens()))
+    planned = model.strategy.planned_angle(state, 1)
+    _, written = model.strategy.write(state, torch.randn(*planned.shape, 32), None, 1)
+    torch.testing.assert_close(written, planned)
+
+
+@pytest.mark.parametrize("residual,options", [("prenorm", {}), ("nag", {"angle": "magnitude"})])
+def test_angle_predictor_needs_a_residual_that_knows_its_angle_in_advance(residual, options):
+    model = tiny(residual, "threshold", router_options={"predictor": "angle"}, residual_options=options)
+    with pytest.raises(ValueError, match="predictor 'angle' reads the angle the residual strategy knows"):
+        model(tokens())
+    with pytest.raises(ValueError, match="predictor must be one of"):
+        tiny("nag", "threshold", router_options={"predictor": "gate"})
+
+
+def test_angle_predictor_reaches_its_target_rate_and_learns_nothing_itself():
+    model = gated_threshold(target_rate=0.25, warmup_steps=5)
+    rates = train(model, text_batches(80))
+    assert rates[0] == 0.0
+    assert sum(rates[-30:]) / 30 == pytest.approx(0.25, abs=0.03)
+    assert all(float(s.router.aux_loss) == 0.0 for s in model.sublayers)
+    assert model.strategy.gate_w.grad is not None  # the decisions are the gate's, which the LM trains
+
+
+def test_angle_predictor_generates_with_the_kv_cache_as_without():
+    from nag_lightning.analysis.generate import generate_tokens, use_causal_routing
+    from nag_lightning.inference import generate_cached
+
+    prompt = list(b"def main(args):\n    ")
+    model = gated_threshold(seq_len=len(prompt) + 60, tau=math.pi / 4, warmup_steps=0).eval()
+    use_causal_routing(model)
+    reference, reference_executed = generate_tokens(model, prompt, 60)
+    (cached,), _ = generate_cached(model, [prompt], 60)
+    assert cached.tokens == reference and cached.executed == reference_executed
+    assert 0 < sum(cached.executed) < 60 * 4  # it skips some sublayers, not all

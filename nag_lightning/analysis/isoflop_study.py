@@ -21,7 +21,10 @@ from nag_lightning.analysis.compare import COLUMNS, summarize
 from nag_lightning.analysis.study import check_recipe, fit_run
 from nag_lightning.plotting import pyplot, save
 
-DEFAULT_RECIPES = ["prenorm", "nag", "nag_threshold20", "nag_threshold25", "nag_topk20", "nag_topk25"]
+DEFAULT_RECIPES = [
+    "prenorm", "nag", "nag_threshold20", "nag_threshold25", "nag_threshold_angle20", "nag_threshold_angle25",
+    "nag_topk20", "nag_topk25",
+]
 
 
 def run_recipe(recipe: Path, out: Path, seed: int, extra: list[str]) -> dict:

@@ -5,6 +5,8 @@ The model never touches the residual state itself. It asks the strategy to:
     state = init_state(embedding)             start the stream from the token embedding
     h     = read(state, i)                    the input sublayer i sees, shape (..., d)
     state, angle = write(state, f, g, i)      fold the sublayer output f back in, gated by g
+    angle = planned_angle(state, i)           optional: the angle the write will turn by, before
+                                              the sublayer runs (NAG's gated angle); None if unknown
     feats, scale = final(state)               features for the LM head and an optional logit scale
 
 A state is a tuple of tensors whose leading dimensions index tokens, so the sublayer wrapper can
@@ -56,6 +58,12 @@ class ResidualStrategy(nn.Module):
         (= 1). Returns the new state and the contribution angle (...) in radians, detached; a
         strategy for which the angle costs extra work may return None when `need_angle` is False."""
         raise NotImplementedError
+
+    def planned_angle(self, state: State, index: int) -> Tensor | None:
+        """The angle (...) in radians by which `write` will turn each token at gate 1, when the
+        strategy knows it before sublayer `index` runs (then a router may skip on it, without a
+        predictor), detached; None (the default) when only the write tells."""
+        return None
 
     def final(self, state: State) -> tuple[Tensor, Tensor | None]:
         """Features (..., d) for the LM head and a per-token logit scale (..., 1), or None."""

@@ -188,6 +188,12 @@ class NAGResidual(ResidualStrategy):
         score = math.sqrt(self.d_model) * (u.float() @ self.gate_w[index].float()) + self.gate_b[index]
         return self.theta_max * torch.sigmoid(score)
 
+    def planned_angle(self, state: State, index: int) -> Tensor | None:
+        """The gated angle, known before the sublayer runs; None for the magnitude angle."""
+        if self.angle != "gate":
+            return None
+        return self.gate_angle(state[0], index).detach()
+
     def _gated_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
         theta = self.gate_angle(u, index)
         if gate is not None:

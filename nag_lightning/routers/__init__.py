@@ -57,6 +57,11 @@ class Router(nn.Module):
     routes: bool = True
     """Whether this router may skip tokens; False only for `none`, which runs every token."""
 
+    reads_planned_angle: bool = False
+    """Whether `forward` also takes `planned_angle`, the angle (B, T) the residual strategy will turn
+    each token by, known before the sublayer runs (`ResidualStrategy.planned_angle`; None when the
+    strategy has none). May be set per instance."""
+
     sweep_setting: str | None = None
     """The setting a post-training sweep varies (e.g. "tau", "capacity"), or None: nothing."""
 
@@ -82,7 +87,8 @@ class Router(nn.Module):
         self.defer_updates = False
 
     def forward(self, h: Tensor) -> Route:
-        """Decide from the read input h (B, T, d) which tokens run the sublayer."""
+        """Decide from the read input h (B, T, d) which tokens run the sublayer (a router that
+        `reads_planned_angle` is called as `forward(h, planned_angle=...)`)."""
         raise NotImplementedError
 
     @property

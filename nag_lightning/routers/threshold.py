@@ -9,6 +9,12 @@ only where the predicted angle reaches a threshold tau:
     h.detach() ──> theta_hat = softplus(<w, h> + b) ──> executed = theta_hat >= tau,  g = 1
     after the write: MSE(theta_hat, theta) on the executed tokens   (theta detached)
 
+With `predictor: angle` there is no probe: the router reads the angle the residual strategy will
+turn the token by, when the strategy knows it before the sublayer runs (NAG's gated angle,
+`ResidualStrategy.planned_angle`), and skips where it is below tau. It then skips exactly the
+tokens the oracle of a post-training sweep would, at no extra cost, and its decisions are the
+gate's, which the language-model loss trains; nothing is regressed or calibrated.
+
 The decision reads only the token's own state, so it is causal by construction, in training,
 evaluation and generation alike, and a post-training sweep of tau traces the accuracy/compute
 curve. tau is fixed, or, with `target_rate`, adapted during training so the sublayer skips that
@@ -62,6 +68,9 @@ SPLIT_BAND = 0.02
 """How far (a share of the batch's tokens) a batch's evaluation threshold may split from the target
 share to sit in a gap between predictions rather than inside a cluster of them."""
 
+PREDICTORS = ("probe", "angle")
+"""Where theta_hat comes from: a probe on the read input, or the residual strategy's own angle."""
+
 SWEEP_RATE_QUANTILES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6)
 """Quantiles of the predicted angles a post-training sweep puts tau at by default: MoD rates from
 0 to about 60%."""
@@ -94,6 +103,9 @@ class ThresholdRouter(Router):
             predicted angle on the measured one.
         warmup_steps: training forward passes at the start during which every token runs, so the
             predictor first learns from all of them.
+        predictor: "probe" (a linear probe on h, learned by regression on the measured angle) or
+            "angle" (the residual strategy's own angle, known before the sublayer runs: NAG with
+            the gated angle; nothing to learn, and no parameters).
     """
 
     needs_contribution = True
@@ -110,8 +122,11 @@ class ThresholdRouter(Router):
         tau_average: float = 0.2,
         calibration: float = 0.1,
         warmup_steps: int = 10,
+        predictor: str = "probe",
     ) -> None:
         super().__init__(d_model)
+        if predictor not in PREDICTORS:
+            raise ValueError(f"router_options.predictor must be one of {PREDICTORS}; got {predictor!r}.")
         if not tau >= 0:
             raise ValueError(
                 f"router_options.tau is an angle threshold in radians and cannot be negative; got {tau}."
@@ -133,10 +148,15 @@ class ThresholdRouter(Router):
         self.tau_average = tau_average
         self.calibration = calibration
         self.warmup_steps = warmup_steps
-        self.probe = nn.Linear(d_model, 1)
-        # h has per-channel scale ~1: <w, h> starts at ~N(0, 0.1^2), so predictions differ per token.
-        nn.init.normal_(self.probe.weight, std=0.1 / math.sqrt(d_model))
-        nn.init.zeros_(self.probe.bias)
+        self.predictor = predictor
+        self.reads_planned_angle = predictor == "angle"
+        self.needs_contribution = predictor == "probe"  # the regression target
+        self.probe: nn.Linear | None = None
+        if predictor == "probe":
+            self.probe = nn.Linear(d_model, 1)
+            # h has per-channel scale ~1: <w, h> starts at ~N(0, 0.1^2), so predictions differ per token.
+            nn.init.normal_(self.probe.weight, std=0.1 / math.sqrt(d_model))
+            nn.init.zeros_(self.probe.bias)
         # Buffers, so checkpoints keep them. `tau` is the threshold of evaluation and generation
         # (and of training when fixed); `tau_live` is the controller's training threshold, whose
         # running average `tau` is. `bias_offset` is the calibrated part of b. `steps` counts
@@ -147,6 +167,7 @@ class ThresholdRouter(Router):
         self.register_buffer("steps", torch.tensor(0, dtype=torch.long))
         self._steps_seen: int | None = None  # host copy of `steps`: routing needs no device sync
         self._theta_hat: Tensor | None = None
+        self.last_prediction: Tensor | None = None  # the last forward's theta_hat, detached
         self._pending: dict[str, Tensor] | None = None  # computed by observe, not yet applied
         self._stats: dict[str, Tensor] = {}
 
@@ -173,9 +194,19 @@ class ThresholdRouter(Router):
         values = values or {"tau": self.tau, "tau_live": self.tau_live}
         return values["tau_live"] if adapting else values["tau"]
 
-    def forward(self, h: Tensor) -> Route:
-        theta_hat = self.predict(h)  # (B, T)
+    def forward(self, h: Tensor, planned_angle: Tensor | None = None) -> Route:
+        if self.predictor == "probe":
+            theta_hat = self.predict(h)  # (B, T)
+        elif planned_angle is None:
+            raise ValueError(
+                "router_options.predictor 'angle' reads the angle the residual strategy knows before "
+                "the sublayer runs, and this model's has none (only nag with angle: gate has one): "
+                "use predictor: probe, or the gated NAG."
+            )
+        else:
+            theta_hat = planned_angle.detach().float()
         self._theta_hat = theta_hat
+        self.last_prediction = theta_hat.detach()
         if self.training and self._steps() < self.warmup_steps:
             return Route()
         return Route(executed=theta_hat.detach() >= self.threshold())
@@ -185,23 +216,26 @@ class ThresholdRouter(Router):
         the target and of the calibration, and apply it unless `defer_updates` (`apply_update`)."""
         theta_hat, self._theta_hat = self._theta_hat, None
         executed = route.executed
-        if not self.training or contribution is None or theta_hat is None:
-            self.aux_loss = h.new_zeros((), dtype=torch.float)
+        learns = self.predictor == "probe"
+        self.aux_loss = h.new_zeros((), dtype=torch.float)
+        if not self.training or theta_hat is None or (learns and contribution is None):
             self._record(theta_hat, contribution, executed, None, self.threshold())
             return
-        target = contribution.detach().float()
-        mask = torch.ones_like(target, dtype=torch.bool) if executed is None else executed
         # The new buffer values, computed from the current ones without touching them, so a
         # forward pass run again (activation checkpointing) computes the same update.
         update = {"tau": self.tau, "tau_live": self.tau_live, "bias_offset": self.bias_offset}
-        self._calibrate(update, theta_hat.detach(), target, mask)
-        theta_hat = self.predict(h, update["bias_offset"])
-        error = (theta_hat - target).square()
-        self.aux_loss = (error * mask).sum() / mask.sum().clamp_min(1)
+        if learns:
+            target = contribution.detach().float()
+            mask = torch.ones_like(target, dtype=torch.bool) if executed is None else executed
+            self._calibrate(update, theta_hat.detach(), target, mask)
+            theta_hat = self.predict(h, update["bias_offset"])
+            error = (theta_hat - target).square()
+            self.aux_loss = (error * mask).sum() / mask.sum().clamp_min(1)
         if self.target_rate is not None:
             self._track_tau(update, theta_hat.detach())
         self._pending = update
-        self._record(theta_hat, contribution, executed, self.aux_loss, self.threshold(update))
+        loss = self.aux_loss if learns else None
+        self._record(theta_hat, contribution, executed, loss, self.threshold(update))
         if not self.defer_updates:
             self.apply_update()
 
@@ -299,7 +333,11 @@ class ThresholdRouter(Router):
 
     def flops_per_token(self) -> int:
         """The probe <w, h> (the bias add and softplus are not multiply-adds): once in evaluation;
-        twice in training, where `observe` runs it again for the loss, after calibrating b."""
+        twice in training, where `observe` runs it again for the loss, after calibrating b. The
+        angle predictor adds nothing: its one dot product per token is the write's own gate, per
+        token O(d) work that the accounting leaves out for every residual (`nag_lightning.flops`)."""
+        if self.predictor == "angle":
+            return 0
         return (2 if self.training else 1) * 2 * self.d_model
 
     def stats(self) -> dict[str, float]:
@@ -322,8 +360,11 @@ class ThresholdRouter(Router):
     @torch.no_grad()
     def default_sweep_values(cls, routers: list[Router], inputs: list[Tensor]) -> list[float]:
         """tau at quantiles of the predicted angles, pooled over the routed sublayers, so the sweep
-        spans MoD rates from 0 to about 60%; the first is 0, which skips nothing."""
-        pooled = torch.cat([r.predict(h).flatten().float() for r, h in zip(routers, inputs)]).cpu()
+        spans MoD rates from 0 to about 60%; the first is 0, which skips nothing. (The angle
+        predictor's are those of the forward pass that read `inputs`.)"""
+        predictions = [r.predict(h) if r.predictor == "probe" else r.last_prediction
+                       for r, h in zip(routers, inputs)]
+        pooled = torch.cat([p.flatten().float() for p in predictions]).cpu()
         taus = torch.quantile(pooled, torch.tensor(SWEEP_RATE_QUANTILES, dtype=pooled.dtype))
         taus[0] = 0.0
         return sorted({round(t, 6) for t in taus.tolist()})
