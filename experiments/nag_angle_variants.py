@@ -51,7 +51,8 @@ class RelativeNAG(NAGResidual):
     """
 
     def __init__(self, *args, rel_scale: float = 0.5, momentum: float = 0.01, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        # its own angle replaces the magnitude one (bound 4/N as probed); it has no gate
+        super().__init__(*args, angle="magnitude", **kwargs)
         self.rel_scale = rel_scale
         self.momentum = momentum
         self.register_buffer("n_ema", torch.zeros(self.n_sublayers))

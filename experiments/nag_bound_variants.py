@@ -45,7 +45,15 @@ def rotate(state: State, f: Tensor, gate: Tensor | None, alpha: Tensor, beta: Te
     return (u_new.to(u.dtype), rho_new.to(rho.dtype)), theta.detach().abs()
 
 
-class AtanBoundNAG(NAGResidual):
+class MagnitudeNAG(NAGResidual):
+    """NAG with the magnitude angle (theta from |f_perp|), the formulation these variants bound
+    differently; it has no gate."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, angle="magnitude", **kwargs)
+
+
+class AtanBoundNAG(MagnitudeNAG):
     """NAG with an arctangent bound on the angle."""
 
     def write(self, state, f, gate, index, need_angle=True):
@@ -54,7 +62,7 @@ class AtanBoundNAG(NAGResidual):
                       lambda x: torch.atan(scale * x) / scale)
 
 
-class LearnedBoundNAG(NAGResidual):
+class LearnedBoundNAG(MagnitudeNAG):
     """NAG whose bound is learned per sublayer: theta_max * exp(bound_scale * s_l), s_l from 0.
 
     Args:
