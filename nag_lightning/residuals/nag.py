@@ -7,7 +7,7 @@ angle comes from a learned gate on the token's own direction, the direction of t
 the sublayer's tangential output f⊥:
 
     u ──┬─> √d·u·γ_l ─> F_l ─> f ─> a = <f,u>, f⊥ = f - a·u
-        ├─> θ = θmax·sigmoid(√d·<w_l, u> + b_l)·g        (θmax = 8/N by default)
+        ├─> θ = θmax·sigmoid(√d·<w_l, u> + b_l)·g        (θmax = min(8/N, π/2) by default)
         └───────────────────────────────> u' = cos θ · u + sin θ · f⊥/|f⊥|      (|u'| = 1)
     rho ───────────────────────────────> rho' = rho + g·β_l·a/√d
 
@@ -21,8 +21,8 @@ angle from the size of f instead: θ = θmax·tanh(g·α_l·|f⊥| / (√d·θma
 grows |f⊥| until nearly every token sits on the bound (the q10/q90 spread of θ across tokens
 measured 0.99-1.00 at NAG's best learning rate), and θ says nothing about which tokens a sublayer
 matters for. The gate cannot be pushed to the bound by scaling the sublayer, it is known before
-the sublayer runs, and it trained better at every depth measured (docs/results.md, sections 0
-and 2).
+the sublayer runs, and it trained better from 8 blocks on, as well at 4 (docs/results.md,
+sections 0 and 2).
 """
 
 from __future__ import annotations
