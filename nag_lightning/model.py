@@ -377,7 +377,8 @@ class Block(nn.Module):
 
 @dataclass
 class TransformerOutput:
-    """logits (B, T, vocab) and the sum of the routers' auxiliary losses."""
+    """logits (B, T, vocab) and the sum of the auxiliary losses: the routers' and the residual
+    strategy's (`ResidualStrategy.aux_loss`)."""
 
     logits: Tensor
     aux_loss: Tensor
@@ -451,6 +452,9 @@ class Transformer(nn.Module):
             )
         logits = self.readout(self.stream(idx))
         aux = sum((s.router.aux_loss for s in self.sublayers), idx.new_zeros((), dtype=torch.float))
+        strategy_loss = self.strategy.aux_loss()
+        if strategy_loss is not None:
+            aux = aux + strategy_loss
         return TransformerOutput(logits=logits, aux_loss=aux)
 
     def stream(self, idx: Tensor, cached: CachedPass | None = None) -> State:

@@ -58,7 +58,8 @@ class NAGLanguageModel(L.LightningModule):
         decay_fraction: the final fraction of the run (FLOP budget or steps) WSD decays over.
         weight_decay: AdamW weight decay of matrices (gains, scalars and embeddings get none).
         betas: AdamW betas.
-        aux_loss_weight: weight of the routers' auxiliary losses in the training loss.
+        aux_loss_weight: weight of the auxiliary losses (the routers' and the residual strategy's)
+            in the training loss.
         compile: compile the model with torch.compile when the Trainer sets it up
             (`nag_lightning.compile`); the state dict and checkpoints are unchanged.
     """

@@ -7,6 +7,7 @@ The model never touches the residual state itself. It asks the strategy to:
     state, angle = write(state, f, g, i)      fold the sublayer output f back in, gated by g
     angle = planned_angle(state, i)           optional: the angle the write will turn by, before
                                               the sublayer runs (NAG's gated angle); None if unknown
+    loss = aux_loss()                         optional: a training loss of the last pass, or None
     feats, scale = final(state)               features for the LM head and an optional logit scale
 
 A state is a tuple of tensors whose leading dimensions index tokens, so the sublayer wrapper can
@@ -63,6 +64,11 @@ class ResidualStrategy(nn.Module):
         """The angle (...) in radians by which `write` will turn each token at gate 1, when the
         strategy knows it before sublayer `index` runs (then a router may skip on it, without a
         predictor), detached; None (the default) when only the write tells."""
+        return None
+
+    def aux_loss(self) -> Tensor | None:
+        """A loss term the strategy adds to training from its last forward pass (NAG's angle
+        cost), or None (the default): the model adds it to the routers' auxiliary losses."""
         return None
 
     def final(self, state: State) -> tuple[Tensor, Tensor | None]:

@@ -69,6 +69,10 @@ class NAGResidual(ResidualStrategy):
             the module docstring. None means "gate", or, when a checkpoint is loaded, the angle
             it was trained with.
         gate_bias: initial b_l of the gated angle (0: every token starts at theta_max / 2).
+        angle_cost: weight of a training loss on the gated angle, angle_cost times the mean over
+            sublayers and tokens of theta / theta_max (added to the auxiliary loss): a price on
+            turning, so a token turns only where the sublayer is worth it to the language loss,
+            and skipping the tokens of smallest angle after training costs less. 0: none.
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class NAGResidual(ResidualStrategy):
         kernel: str = "auto",
         angle: str | None = None,
         gate_bias: float = 0.0,
+        angle_cost: float = 0.0,
     ) -> None:
         super().__init__(d_model, n_sublayers)
         # Which settings were given, not defaulted: a checkpoint written before the settings were
@@ -102,6 +107,11 @@ class NAGResidual(ResidualStrategy):
             raise ValueError(f"bound must be one of {BOUNDS}; got {bound!r}.")
         if kernel not in BACKENDS:
             raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
+        if angle_cost < 0 or (angle_cost > 0 and angle != "gate"):
+            raise ValueError(f"angle_cost must be >= 0 and prices the gated angle only; got {angle_cost} "
+                             f"with angle={angle!r}: give angle: gate, or drop angle_cost.")
+        self.angle_cost = angle_cost
+        self._turned: list[Tensor] = []  # this training pass's mean theta / theta_max per write
         self.theta_max = theta_max
         self.norm_lane_readout = norm_lane_readout
         self.kernel = kernel
@@ -161,6 +171,7 @@ class NAGResidual(ResidualStrategy):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def init_state(self, embedding: Tensor) -> State:
+        self._turned = []
         e = embedding.float()
         norm = e.norm(dim=-1).clamp_min(1e-12)
         return e / norm.unsqueeze(-1), torch.log(norm / math.sqrt(self.d_model))
@@ -198,11 +209,19 @@ class NAGResidual(ResidualStrategy):
         theta = self.gate_angle(u, index)
         if gate is not None:
             theta = theta * gate.float()
+        if self.angle_cost and self.training:
+            self._turned.append(theta.mean() / self.theta_max)
         u_new, rho_new, theta, _ = nag_write(
             u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max,
             backend=self.kernel, angle=theta,
         )  # fmt: skip
         return (u_new, rho_new), theta.detach().abs()
+
+    def aux_loss(self) -> Tensor | None:
+        """angle_cost times the mean share of the bound the last training pass turned by."""
+        if not self._turned:
+            return None
+        return self.angle_cost * torch.stack(self._turned).sum() / self.n_sublayers
 
     def final(self, state: State) -> tuple[Tensor, Tensor | None]:
         u, rho = state
