@@ -360,3 +360,88 @@ def test_gated_write_runs_the_triton_kernel_as_the_reference():
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
     assert outs[0][4].abs().max() > 0  # the gate learns through the write
+
+
+def test_angle_cost_prices_the_gated_angle_in_training_only():
+    """aux_loss is angle_cost times the mean share of the bound turned, over all sublayers; its
+    gradient lowers every gate; nothing is priced in eval, without a cost, or for magnitude."""
+    strategy = gated_nag(angle_cost=0.5)
+    state = unit_state(strategy)
+    shares = []
+    for index in range(strategy.n_sublayers):
+        f = sublayer_outputs(state[0])["random"]
+        shares.append(strategy.gate_angle(state[0], index).mean() / strategy.theta_max)
+        state, _ = strategy.write(state, f, None, index)
+    torch.testing.assert_close(strategy.aux_loss(), 0.5 * torch.stack(shares).mean())
+    strategy.aux_loss().backward()
+    assert (strategy.gate_b.grad > 0).all()  # descending it shrinks every sublayer's angle
+    unit_state(strategy)  # a new pass starts a new price
+    assert strategy.aux_loss() is None
+    strategy.eval()
+    state = unit_state(strategy)
+    strategy.write(state, sublayer_outputs(state[0])["random"], None, 0)
+    assert strategy.aux_loss() is None
+    free = gated_nag().train()
+    state = unit_state(free)
+    free.write(state, sublayer_outputs(state[0])["random"], None, 0)
+    assert free.aux_loss() is None
+    for bad in ({"angle_cost": -0.1}, {"angle_cost": 0.1, "angle": "magnitude"}):
+        with pytest.raises(ValueError, match="angle_cost must be >= 0 and prices the gated angle only"):
+            nag(**bad)
+
+
+def test_angle_cost_reaches_the_training_loss():
+    """The model adds the strategy's price to the auxiliary loss the training step adds."""
+    from nag_lightning.model import Transformer, TransformerConfig
+
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for cost in (0.0, 0.2):
+        torch.manual_seed(0)
+        model = Transformer(TransformerConfig(d_model=32, n_layers=2, seq_len=16,
+                                              residual_options={"angle_cost": cost}))
+        losses[cost] = model(idx).aux_loss
+        assert model.eval()(idx).aux_loss == 0
+    assert losses[0.0] == 0
+    torch.testing.assert_close(losses[0.2], torch.tensor(0.2 * 0.5))  # every gate starts at half the bound
+
+
+def test_angle_cost_travels_in_checkpoints_and_a_given_one_wins():
+    """A checkpoint loads with the price it was trained under; one saved before the option was
+    (no key) was trained without; a price given to the model is kept, to train on under it."""
+    priced = gated_nag(angle_cost=0.25)
+    assert priced.get_extra_state()["angle_cost"] == 0.25
+    loaded = nag()
+    loaded.load_state_dict(priced.state_dict())
+    assert loaded.angle_cost == 0.25
+    before = dict(priced.state_dict())
+    before["_extra_state"] = {k: v for k, v in before["_extra_state"].items() if k != "angle_cost"}
+    old = nag()
+    old.load_state_dict(before)
+    assert old.angle_cost == 0.0
+    retuned = nag(angle_cost=0.05)
+    retuned.load_state_dict(priced.state_dict())
+    assert retuned.angle_cost == 0.05
+    with pytest.raises(ValueError, match="angle_cost prices the gated angle only: drop angle_cost"):
+        nag(angle_cost=0.1).load_state_dict(nag(angle="magnitude").state_dict())
+
+
+def test_gate_radial_scales_the_radial_update_by_the_gates_share_of_the_bound():
+    """With gate_radial the log-norm moves by theta / theta_max of the free write's radial update
+    (the direction is the same), so a token the gate barely turns keeps its norm; gate 0 is still
+    the identity."""
+    free, tied = gated_nag(beta_init=0.7), gated_nag(beta_init=0.7, gate_radial=True)
+    u, rho = unit_state(free)
+    f = sublayer_outputs(u)["random"]
+    (u_free, rho_free), theta = free.write((u, rho), f, None, 3)
+    (u_tied, rho_tied), theta_tied = tied.write((u, rho), f, None, 3)
+    assert torch.equal(theta, theta_tied)
+    torch.testing.assert_close(u_tied, u_free, atol=0, rtol=0)
+    torch.testing.assert_close(rho_tied - rho, (rho_free - rho) * theta / tied.theta_max)
+    (u0, rho0), _ = tied.write((u, rho), f, torch.zeros(ROWS), 3)
+    assert torch.equal(u0, u) and torch.equal(rho0, rho)
+    assert tied.get_extra_state()["gate_radial"] is True
+    with pytest.raises(ValueError, match="gate_radial scales the radial update by the gated angle"):
+        nag(angle="magnitude", gate_radial=True)
+    with pytest.raises(ValueError, match="trained with gate_radial=True; this model was given gate_radial=False"):
+        nag(gate_radial=False).load_state_dict(tied.state_dict())

@@ -73,6 +73,9 @@ class NAGResidual(ResidualStrategy):
             sublayers and tokens of theta / theta_max (added to the auxiliary loss): a price on
             turning, so a token turns only where the sublayer is worth it to the language loss,
             and skipping the tokens of smallest angle after training costs less. 0: none.
+        gate_radial: scale the radial (log-norm) update of the gated angle by theta / theta_max
+            as well, so a token its gate barely turns keeps its norm too: the whole write follows
+            the gate, and skipping a token of small angle loses little of either lane.
     """
 
     def __init__(
@@ -87,13 +90,15 @@ class NAGResidual(ResidualStrategy):
         kernel: str = "auto",
         angle: str | None = None,
         gate_bias: float = 0.0,
-        angle_cost: float = 0.0,
+        angle_cost: float | None = None,
+        gate_radial: bool | None = None,
     ) -> None:
         super().__init__(d_model, n_sublayers)
         # Which settings were given, not defaulted: a checkpoint written before the settings were
         # saved in it (see _load_from_state_dict) was trained under the defaults of that time.
         self._given = {"theta_max": theta_max is not None, "norm_lane_readout": norm_lane_readout is not None,
-                       "bound": bound != "tanh", "angle": angle is not None}
+                       "bound": bound != "tanh", "angle": angle is not None,
+                       "angle_cost": angle_cost is not None, "gate_radial": gate_radial is not None}
         angle = "gate" if angle is None else angle
         if angle not in ANGLES:
             raise ValueError(f"angle must be one of {ANGLES}; got {angle!r}.")
@@ -107,10 +112,17 @@ class NAGResidual(ResidualStrategy):
             raise ValueError(f"bound must be one of {BOUNDS}; got {bound!r}.")
         if kernel not in BACKENDS:
             raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
+        if angle_cost is None:
+            angle_cost = self.ANGLE_COST if angle == "gate" else 0.0
         if angle_cost < 0 or (angle_cost > 0 and angle != "gate"):
             raise ValueError(f"angle_cost must be >= 0 and prices the gated angle only; got {angle_cost} "
                              f"with angle={angle!r}: give angle: gate, or drop angle_cost.")
         self.angle_cost = angle_cost
+        gate_radial = self.GATE_RADIAL if gate_radial is None else gate_radial
+        if gate_radial and angle != "gate":
+            raise ValueError(f"gate_radial scales the radial update by the gated angle; got angle={angle!r}: "
+                             "give angle: gate, or drop gate_radial.")
+        self.gate_radial = gate_radial
         self._turned: list[Tensor] = []  # this training pass's mean theta / theta_max per write
         self.theta_max = theta_max
         self.norm_lane_readout = norm_lane_readout
@@ -127,10 +139,19 @@ class NAGResidual(ResidualStrategy):
             self.gate_b = nn.Parameter(torch.full((n_sublayers,), float(gate_bias)))
 
     GATE_PARAMETERS = ("gate_w", "gate_b")
+    ANGLE_COST = 0.0
+    """The default angle_cost of the gated angle."""
+    GATE_RADIAL = False
+    """The default gate_radial of the gated angle."""
 
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
-    SETTINGS = ("theta_max", "norm_lane_readout", "bound", "angle")
+    SETTINGS = ("theta_max", "norm_lane_readout", "bound", "angle", "angle_cost", "gate_radial")
+    # What a checkpoint saved before a setting was means by its absence: the behaviour of that time.
+    ABSENT = {"angle": "magnitude", "angle_cost": 0.0, "gate_radial": False}
+    # Settings of the training objective, not of the function the weights compute: a value given
+    # to the model (to go on training under another price) wins over the checkpoint's.
+    OBJECTIVE = ("angle_cost",)
 
     def get_extra_state(self) -> dict:
         return {name: getattr(self, name) for name in self.SETTINGS}
@@ -141,14 +162,18 @@ class NAGResidual(ResidualStrategy):
             # (Lightning's ModelParallelStrategy reads a consolidated checkpoint one parameter at
             # a time): the settings stay the ones this model was built with, from the same run.
             return
+        given = {name: getattr(self, name) for name in self.OBJECTIVE if self._given[name]}
         for name, value in state.items():
-            if self._given.get(name) and value != getattr(self, name):
+            if self._given.get(name) and name not in given and value != getattr(self, name):
                 raise ValueError(
                     f"The checkpoint was trained with {name}={value}; this model was given "
                     f"{name}={getattr(self, name)}: drop the option or give the checkpoint's value."
                 )
         for name in self.SETTINGS:
-            setattr(self, name, state.get(name, "magnitude" if name == "angle" else None))
+            setattr(self, name, given.get(name, state.get(name, self.ABSENT.get(name))))
+        if self.angle_cost and self.angle != "gate":
+            raise ValueError(f"The checkpoint was trained with angle={self.angle}, and angle_cost prices "
+                             "the gated angle only: drop angle_cost.")
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
         key = prefix + "_extra_state"
@@ -157,7 +182,7 @@ class NAGResidual(ResidualStrategy):
                 "theta_max": self.theta_max if self._given["theta_max"] else 2.0 / self.n_sublayers,
                 "norm_lane_readout": self.norm_lane_readout if self._given["norm_lane_readout"] else False,
                 "bound": self.bound,
-                "angle": "magnitude",
+                **self.ABSENT,
             }
         saved = state_dict[key]
         if isinstance(saved, dict) and not self._given["angle"]:
@@ -211,8 +236,10 @@ class NAGResidual(ResidualStrategy):
             theta = theta * gate.float()
         if self.angle_cost and self.training:
             self._turned.append(theta.mean() / self.theta_max)
+        # With a given angle the write's gate scales only the radial update.
+        radial_gate = theta / self.theta_max if self.gate_radial else gate
         u_new, rho_new, theta, _ = nag_write(
-            u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max,
+            u, f, rho, radial_gate, self.alpha[index], self.beta[index], self.theta_max,
             backend=self.kernel, angle=theta,
         )  # fmt: skip
         return (u_new, rho_new), theta.detach().abs()
