@@ -79,10 +79,12 @@ def test_nag_theta_does_not_depend_on_rho():
 
 
 def test_nag_rho_moves_with_the_radial_part():
-    strategy = nag(beta_init=0.5)
-    u, rho = unit_state(strategy)
-    (_, rho_new), _ = strategy.write((u, rho), 2.0 * u, None, index=0)
-    torch.testing.assert_close(rho_new, rho + 0.5 * 2.0 / math.sqrt(D))
+    """By beta * a / sqrt(d), times theta / theta_max with the default gate_radial (the gate starts
+    at half the bound)."""
+    u, rho = unit_state(nag())
+    for options, share in (({"gate_radial": False}, 1.0), ({}, 0.5), ({"angle": "magnitude"}, 1.0)):
+        (_, rho_new), _ = nag(beta_init=0.5, **options).write((u, rho), 2.0 * u, None, index=0)
+        torch.testing.assert_close(rho_new, rho + share * 0.5 * 2.0 / math.sqrt(D))
 
 
 def test_nag_init_and_readout_recover_the_embedding_norm():
@@ -381,7 +383,7 @@ def test_angle_cost_prices_the_gated_angle_in_training_only():
     state = unit_state(strategy)
     strategy.write(state, sublayer_outputs(state[0])["random"], None, 0)
     assert strategy.aux_loss() is None
-    free = gated_nag().train()
+    free = gated_nag(angle_cost=0).train()
     state = unit_state(free)
     free.write(state, sublayer_outputs(state[0])["random"], None, 0)
     assert free.aux_loss() is None
@@ -430,7 +432,7 @@ def test_gate_radial_scales_the_radial_update_by_the_gates_share_of_the_bound():
     """With gate_radial the log-norm moves by theta / theta_max of the free write's radial update
     (the direction is the same), so a token the gate barely turns keeps its norm; gate 0 is still
     the identity."""
-    free, tied = gated_nag(beta_init=0.7), gated_nag(beta_init=0.7, gate_radial=True)
+    free, tied = gated_nag(beta_init=0.7, gate_radial=False), gated_nag(beta_init=0.7)
     u, rho = unit_state(free)
     f = sublayer_outputs(u)["random"]
     (u_free, rho_free), theta = free.write((u, rho), f, None, 3)
@@ -443,5 +445,5 @@ def test_gate_radial_scales_the_radial_update_by_the_gates_share_of_the_bound():
     assert tied.get_extra_state()["gate_radial"] is True
     with pytest.raises(ValueError, match="gate_radial scales the radial update by the gated angle"):
         nag(angle="magnitude", gate_radial=True)
-    with pytest.raises(ValueError, match="trained with gate_radial=True; this model was given gate_radial=False"):
+    with pytest.raises(ValueError, match="gate_radial=True; this model was given gate_radial=False"):
         nag(gate_radial=False).load_state_dict(tied.state_dict())

@@ -111,6 +111,8 @@ def dense_reference(model: Transformer, idx: torch.Tensor) -> tuple[torch.Tensor
         state, angle = strategy.write(state, f, torch.where(executed, gate, 0.0), s.index, True)
         s.router.observe(h, route, angle)
         aux = aux + s.router.aux_loss
+    if strategy.aux_loss() is not None:  # NAG's angle cost: a skipped token turns by 0
+        aux = aux + strategy.aux_loss()
     features, scale = strategy.final(state)
     logits = model.head(features)
     return (logits if scale is None else logits * scale), aux

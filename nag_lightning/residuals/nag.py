@@ -9,12 +9,20 @@ the sublayer's tangential output f⊥:
     u ──┬─> √d·u·γ_l ─> F_l ─> f ─> a = <f,u>, f⊥ = f - a·u
         ├─> θ = θmax·sigmoid(√d·<w_l, u> + b_l)·g        (θmax = min(8/N, π/2) by default)
         └───────────────────────────────> u' = cos θ · u + sin θ · f⊥/|f⊥|      (|u'| = 1)
-    rho ───────────────────────────────> rho' = rho + g·β_l·a/√d
+    rho ───────────────────────────────> rho' = rho + (θ/θmax)·β_l·a/√d
 
 Since every sublayer turns u by at most θmax whatever the state's history, a late layer matters as
 much as an early one; θ is also the sublayer's contribution, the number routers threshold on. The
 update runs through `nag_kernels.nag_write`: a fused Triton kernel on CUDA, the PyTorch reference
 elsewhere.
+
+Turning has a price: training adds angle_cost·mean(θ/θmax) to the loss (0.03 by default), so a
+token turns only where the sublayer is worth it, and the radial update follows the gate too
+(gate_radial), so a token the gate barely turns barely changes at all. Without the price nearly
+every token turned by a similar angle, and without the tie the price moved the work of
+low-angle tokens into the radial lane; with both, skipping the quarter of smallest angles after
+training costs less than it costs pre-norm, at the unpriced gate's quality (docs/results.md,
+section 0). `angle_cost: 0, gate_radial: false` gives the unpriced gate.
 
 `angle="magnitude"`, the first formulation and the default until the gate was measured, takes the
 angle from the size of f instead: θ = θmax·tanh(g·α_l·|f⊥| / (√d·θmax)) (θmax = 4/N). Adam then
@@ -72,10 +80,15 @@ class NAGResidual(ResidualStrategy):
         angle_cost: weight of a training loss on the gated angle, angle_cost times the mean over
             sublayers and tokens of theta / theta_max (added to the auxiliary loss): a price on
             turning, so a token turns only where the sublayer is worth it to the language loss,
-            and skipping the tokens of smallest angle after training costs less. 0: none.
+            and skipping the tokens of smallest angle after training costs less. None means
+            0.03 for the gated angle (0 for the magnitude angle, which it cannot price), or, when
+            a checkpoint is loaded, the price it was trained under (0 for one saved before the
+            option was); a value given wins over the checkpoint's, to go on training under it.
         gate_radial: scale the radial (log-norm) update of the gated angle by theta / theta_max
             as well, so a token its gate barely turns keeps its norm too: the whole write follows
-            the gate, and skipping a token of small angle loses little of either lane.
+            the gate, and skipping a token of small angle loses little of either lane. None
+            means on for the gated angle, or, when a checkpoint is loaded, what it was trained
+            with (off for one saved before the option was).
     """
 
     def __init__(
@@ -118,12 +131,18 @@ class NAGResidual(ResidualStrategy):
             raise ValueError(f"angle_cost must be >= 0 and prices the gated angle only; got {angle_cost} "
                              f"with angle={angle!r}: give angle: gate, or drop angle_cost.")
         self.angle_cost = angle_cost
-        gate_radial = self.GATE_RADIAL if gate_radial is None else gate_radial
+        if gate_radial is None:
+            gate_radial = self.GATE_RADIAL and angle == "gate"
         if gate_radial and angle != "gate":
             raise ValueError(f"gate_radial scales the radial update by the gated angle; got angle={angle!r}: "
                              "give angle: gate, or drop gate_radial.")
         self.gate_radial = gate_radial
-        self._turned: list[Tensor] = []  # this training pass's mean theta / theta_max per write
+        # this training pass's sum of theta / theta_max over writes and tokens (None: nothing
+        # priced yet), and its number of tokens: a routed write sees only its executed tokens, and
+        # a skipped token turns by 0. A tensor, not a list: a list's length would be guarded
+        # under torch.compile and recompile every routed sublayer's graph.
+        self._turned: Tensor | None = None
+        self._tokens = 0
         self.theta_max = theta_max
         self.norm_lane_readout = norm_lane_readout
         self.kernel = kernel
@@ -139,10 +158,11 @@ class NAGResidual(ResidualStrategy):
             self.gate_b = nn.Parameter(torch.full((n_sublayers,), float(gate_bias)))
 
     GATE_PARAMETERS = ("gate_w", "gate_b")
-    ANGLE_COST = 0.0
-    """The default angle_cost of the gated angle."""
-    GATE_RADIAL = False
-    """The default gate_radial of the gated angle."""
+    # The defaults of the gated angle, picked at 8 blocks (docs/results.md, section 0): with them
+    # skipping the quarter of smallest angles after training costs less than pre-norm's, at the
+    # quality of the unpriced gate.
+    ANGLE_COST = 0.03
+    GATE_RADIAL = True
 
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
@@ -196,7 +216,7 @@ class NAGResidual(ResidualStrategy):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def init_state(self, embedding: Tensor) -> State:
-        self._turned = []
+        self._turned, self._tokens = None, embedding.shape[:-1].numel()
         e = embedding.float()
         norm = e.norm(dim=-1).clamp_min(1e-12)
         return e / norm.unsqueeze(-1), torch.log(norm / math.sqrt(self.d_model))
@@ -235,7 +255,8 @@ class NAGResidual(ResidualStrategy):
         if gate is not None:
             theta = theta * gate.float()
         if self.angle_cost and self.training:
-            self._turned.append(theta.mean() / self.theta_max)
+            turned = theta.sum() / self.theta_max
+            self._turned = turned if self._turned is None else self._turned + turned
         # With a given angle the write's gate scales only the radial update.
         radial_gate = theta / self.theta_max if self.gate_radial else gate
         u_new, rho_new, theta, _ = nag_write(
@@ -246,9 +267,9 @@ class NAGResidual(ResidualStrategy):
 
     def aux_loss(self) -> Tensor | None:
         """angle_cost times the mean share of the bound the last training pass turned by."""
-        if not self._turned:
+        if self._turned is None:
             return None
-        return self.angle_cost * torch.stack(self._turned).sum() / self.n_sublayers
+        return self.angle_cost * self._turned / (self.n_sublayers * self._tokens)
 
     def final(self, state: State) -> tuple[Tensor, Tensor | None]:
         u, rho = state
