@@ -29,7 +29,9 @@ from nag_lightning.residuals.nag import NAGResidual
 
 class GatedNAG(NAGResidual):
     """`NAGResidual(angle="gate")` as probed, with the magnitude angle's 4/N bound unless theta_max
-    is given (the packaged option defaults to 8/N, the better of the two measured).
+    is given (the packaged option defaults to 8/N, the better of the two measured), unpriced and
+    with the radial update free of the gate unless angle_cost and gate_radial are given (the
+    packaged defaults price it; docs/results.md, section 0).
 
     Args:
         gate_bias: initial b_l (0: every token starts at theta_max / 2).
@@ -38,6 +40,7 @@ class GatedNAG(NAGResidual):
 
     def __init__(self, d_model: int, n_sublayers: int, theta_max: float | None = None, **kwargs) -> None:
         theta_max = 4.0 / n_sublayers if theta_max is None else theta_max
+        kwargs = {"angle_cost": 0.0, "gate_radial": False, **kwargs}
         super().__init__(d_model, n_sublayers, theta_max=theta_max, angle="gate", **kwargs)
 
 

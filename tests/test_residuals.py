@@ -447,3 +447,30 @@ def test_gate_radial_scales_the_radial_update_by_the_gates_share_of_the_bound():
         nag(angle="magnitude", gate_radial=True)
     with pytest.raises(ValueError, match="gate_radial=True; this model was given gate_radial=False"):
         nag(gate_radial=False).load_state_dict(tied.state_dict())
+
+
+def test_oracle_lanes_experiment_skips_only_the_direction(monkeypatch):
+    """experiments/oracle_lanes.py: its oracle keeps the direction of the tokens below tau and
+    writes their log-norm as the sublayer would."""
+    from nag_lightning.model import Transformer, TransformerConfig
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))
+    from oracle_lanes import skip_direction_only
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(d_model=32, n_layers=1, seq_len=16,
+                                          residual_options={"beta_init": 0.5}))
+    sublayer, strategy = model.sublayers[0], model.strategy
+    with torch.no_grad():  # a trained gate: the angle differs from token to token
+        strategy.gate_w.normal_(0.0, 0.3)
+    state = strategy.init_state(model.embed(torch.randint(0, 256, (2, 16))))
+    h = strategy.read(state, 0)
+    (u_full, rho_full), angle = strategy.write(state, sublayer.compute(h), None, 0, True)
+    sublayer.oracle_tau = float(angle.median())
+    u, rho = skip_direction_only(sublayer, state, strategy)
+    kept = angle >= sublayer.oracle_tau
+    assert kept.any() and (~kept).any()
+    torch.testing.assert_close(u[kept], u_full[kept])
+    assert torch.equal(u[~kept], state[0][~kept])
+    torch.testing.assert_close(rho, rho_full)
+    assert not torch.equal(rho[~kept], state[1][~kept])  # the skipped tokens' radial update is written

@@ -1,0 +1,77 @@
+"""Where NAG's cost of skipping sits: the oracle that skips both lanes, against one that skips only
+the direction (docs/results.md, section 0, "The price of turning").
+
+The sweep's oracle (`Transformer.set_oracle`) skips a sublayer for every token whose measured angle
+is below tau: neither its rotation nor its radial (log-norm) update is written. This script
+evaluates, for every sublayer and at the tau values that bracket a MoD rate, that oracle and a
+variant that still writes the radial update of the skipped tokens, on the same validation batches:
+
+    OMP_NUM_THREADS=1 python experiments/oracle_lanes.py \
+        runs/study/depth/nag-L8-s1-lr0.006/version_0/checkpoints/last.ckpt --rate 0.25
+
+The difference is what the radial lane costs when a token skips. A NAG checkpoint only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, load_checkpoint
+from nag_lightning.model import Sublayer
+
+
+def skip_direction_only(sublayer: Sublayer, state, strategy):
+    """Sublayer._oracle, except that skipped tokens keep the write's radial (log-norm) lane."""
+    h = strategy.read(state, sublayer.index).to(sublayer.compute.proj.weight.dtype)
+    (u_new, rho_new), angle = strategy.write(state, sublayer.compute(h), None, sublayer.index, True)
+    keep = angle >= sublayer.oracle_tau
+    sublayer.executed_per_seq = keep.sum(1)
+    return torch.where(keep.unsqueeze(-1), u_new, state[0]), rho_new
+
+
+def tau_at_rate(model, batches, rate: float) -> float:
+    """The angle below which `rate` of all (token, sublayer) writes fall, on `batches`."""
+    model.record_diagnostics(True)
+    angles = []
+    for batch in batches:
+        model(batch[:, :-1])
+        angles += [s.contribution.flatten() for s in model.sublayers]
+    model.record_diagnostics(False)
+    return float(torch.quantile(torch.cat(angles), rate))
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--rate", type=float, default=0.25, help="the MoD rate to compare at")
+    parser.add_argument("--val_batches", type=int, default=16)
+    args = parser.parse_args()
+    module = load_checkpoint(args.checkpoint, "cpu", False)
+    if type(module.model.strategy).__name__ != "NAGResidual":
+        raise SystemExit("This compares NAG's two lanes; give the checkpoint of a `nag` run.")
+    data = checkpoint_data(module, args.checkpoint)
+    data.setup("fit")
+    val = first_batches(data.val_dataloader(), args.val_batches)
+    model = module.model.eval()
+    tau = tau_at_rate(model, val, args.rate)
+    dense = evaluate(model, val, token_bytes=module.token_bytes)["bpb"]
+    result = {"checkpoint": args.checkpoint, "tau": tau, "dense_bpb": dense}
+    for name, oracle in (("both_lanes", Sublayer._oracle), ("direction_only", skip_direction_only)):
+        for s in model.sublayers:
+            s.oracle_tau = tau
+            s._oracle = oracle.__get__(s)  # this sublayer's oracle, for this evaluation only
+        skipped = evaluate(model, val, token_bytes=module.token_bytes)
+        for s in model.sublayers:
+            s.oracle_tau = None
+            del s._oracle
+        result[f"{name}_mod_rate"] = skipped["mod_rate"]
+        result[f"{name}_cost"] = skipped["bpb"] - dense
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
