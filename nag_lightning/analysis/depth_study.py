@@ -186,7 +186,7 @@ def plot_depth_study(rows: list[dict], path: Path, results: list[dict] | None = 
     ax_gain.set(xlabel="blocks", ylabel="other bpb - NAG bpb",
                 title="NAG gain over the best other strategy (> 0: NAG better)")
     ax_spread.set(xlabel="blocks", ylabel="median over sublayers of q10/q90", ylim=(0, 1.05),
-                  title="Contribution angle spread across tokens (low: informative)")
+                  title="Angle spread across tokens (low: informative)")
     ax_bpb.legend(fontsize=8)
     if ax_spread.lines:
         ax_spread.legend(fontsize=8)
