@@ -223,3 +223,30 @@ def test_sweep_refuses_a_missing_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["sweep", "--ckpt_path", str(tmp_path / "nope.ckpt")])
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_sweep_can_skip_on_nags_own_angle_without_a_probe(checkpoints):
+    """router_options {predictor: angle}: the attached threshold routers read the gated angle NAG
+    plans, have nothing to fit, and the default taus span skipping nothing to a good share."""
+    module = NAGLanguageModel.load_from_checkpoint(checkpoints["none"], map_location="cpu")
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(4)]
+    rows = run_sweep(module, batches[:2], batches[2:], router_options={"predictor": "angle"})
+    routers = [s.router for s in module.model.sublayers]
+    assert all(r.registry_name == "threshold" and r.predictor == "angle" for r in routers)
+    assert not any(p.numel() for r in routers for p in r.parameters())
+    threshold = [r for r in rows if r.method == "threshold"]
+    assert threshold[0].value == 0.0 and threshold[0].mod_rate == 0 and len(threshold) >= 5
+    assert max(r.mod_rate for r in threshold) > 0.2
+    assert {r.method for r in rows} == {"threshold", "oracle"}
+
+
+def test_sweep_router_options_are_checked(checkpoints):
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(4)]
+    unrouted = NAGLanguageModel.load_from_checkpoint(checkpoints["none"], map_location="cpu")
+    with pytest.raises(ValueError, match="router_options has 'predictr', which the router 'threshold'"):
+        run_sweep(unrouted, batches[:2], batches[2:], router_options={"predictr": "angle"})
+    routed = NAGLanguageModel.load_from_checkpoint(checkpoints["threshold"], map_location="cpu")
+    with pytest.raises(ValueError, match="trained with its own routers: drop router_options"):
+        run_sweep(routed, batches[:2], None, router_options={"predictor": "angle"})

@@ -14,14 +14,17 @@ from nag_lightning.model import Transformer
 from nag_lightning.routers import Router
 
 
-def attach_sweep_routers(model: Transformer, route_kinds: list[str], fit_steps: int) -> list[Router]:
+def attach_sweep_routers(model: Transformer, route_kinds: list[str], fit_steps: int,
+                         options: dict | None = None) -> list[Router]:
     """Put in place of the router of every sublayer of `route_kinds` the router it offers for a
-    sweep (`Router.for_sweep`), which runs every token for its first `fit_steps` training forwards;
-    returns the routers attached."""
+    sweep (`Router.for_sweep`, given `options` when there are any), which runs every token for its
+    first `fit_steps` training forwards; returns the routers attached."""
     device = next(model.parameters()).device
     attached = []
     for s in model.sublayers:
-        replacement = s.router.for_sweep(fit_steps) if s.kind in route_kinds else None
+        if s.kind not in route_kinds:
+            continue
+        replacement = s.router.for_sweep(fit_steps, **options) if options else s.router.for_sweep(fit_steps)
         if replacement is not None:
             s.router = replacement.to(device)
             attached.append(s.router)

@@ -2,7 +2,8 @@
 claim 5: MoD as a post-training knob).
 
     checkpoint ─> trained without routing: attach the routers `Router.for_sweep` offers
-                  (threshold), fit them with the model frozen (`probes`)
+                  (threshold; `--router_options '{predictor: angle}'` skips on NAG's gated
+                  angle itself), fit their probes, if any, with the model frozen (`probes`)
                ─> trained with a router: its own routers as trained
     then, for every value of the routers' `sweep_setting` (tau in radians, top-k capacity, ...),
     evaluate N validation batches (`evaluation`): MoD rate, executed forward FLOPs per token,
@@ -70,20 +71,29 @@ def run_sweep(
     fit_lr: float = 1e-2,
     oracle: bool = True,
     values: list[float] | None = None,
+    router_options: dict | None = None,
 ) -> list[SweepRow]:
     """Evaluate a trained `NAGLanguageModel` over routing settings; see the module docstring.
     The values swept are `values`, else `taus` for a setting named tau, `capacities` for one named
-    capacity, else the router's defaults (`Router.default_sweep_values`)."""
+    capacity, else the router's defaults (`Router.default_sweep_values`). `router_options` go to
+    the routers attached to a model trained without one (`Router.for_sweep`)."""
     model: Transformer = module.model
     model.requires_grad_(False).eval()
     routers = routed_routers(model)
+    if routers and router_options:
+        raise ValueError(
+            "router_options set up the routers a sweep attaches to a model trained without one; this "
+            "model was trained with its own routers: drop router_options."
+        )
     if not routers:
         if not fit_batches:
             raise ValueError("A model trained without a router needs fit batches to fit the probes.")
-        attached = attach_sweep_routers(model, route_kinds or list(SUBLAYER_KINDS), len(fit_batches))
+        attached = attach_sweep_routers(model, route_kinds or list(SUBLAYER_KINDS), len(fit_batches),
+                                        router_options)
         if not attached:
             raise ValueError("No sublayer of --route_kinds was given a router to sweep; name attn or mlp.")
-        fit_probes(model, attached, fit_batches, fit_lr)
+        if any(p.numel() for r in attached for p in r.parameters()):  # predictor: angle learns nothing
+            fit_probes(model, attached, fit_batches, fit_lr)
         routers = routed_routers(model)
     kind = type(routers[0])
     setting = kind.sweep_setting
@@ -144,6 +154,7 @@ def sweep(
     seed: int = 0,
     trust_checkpoint: bool = False,
     values: list[float] | None = None,
+    router_options: dict | None = None,
 ) -> dict[str, Path]:
     """Sweep a checkpoint's routing and write sweep.csv and sweep.png into `out_dir`.
 
@@ -169,6 +180,9 @@ def sweep(
             outside the registered plugins; only for checkpoints whose origin you trust.
         values: values of the router's setting to sweep, for any router (Router.sweep_setting);
             None: taus or capacities, else the router's defaults.
+        router_options: options of the routers attached to a model trained without one, e.g.
+            {predictor: angle}: skip on the angle NAG's gate plans, with no probe to fit (the
+            threshold router's options, docs/routing.md). Only for such models.
     """
     module = load_checkpoint(ckpt_path, device, trust_checkpoint)
     data = checkpoint_data(module, ckpt_path, source=source, cache_dir=cache_dir,
@@ -178,7 +192,7 @@ def sweep(
     trained_routed = any(s.routed for s in module.model.sublayers)
     fit = None if trained_routed else first_batches(data.train_dataloader(), fit_batches)
     torch.manual_seed(seed)
-    rows = run_sweep(module, val, fit, taus, capacities, route_kinds, fit_lr, oracle, values)
+    rows = run_sweep(module, val, fit, taus, capacities, route_kinds, fit_lr, oracle, values, router_options)
     out = Path(out_dir) if out_dir is not None else default_out_dir(ckpt_path)
     cfg = module.config
     title = f"{_name(cfg.residual)}, router {_name(cfg.router)}, {len(val)} val batches"

@@ -25,14 +25,14 @@ RATES = (0.1, 0.2, 0.25)
 
 
 def sweep_run(ckpt: Path, out: Path, val_batches: int, fit_batches: int,
-              trust_checkpoint: bool = False) -> list[dict]:
+              trust_checkpoint: bool = False, router_options: dict | None = None) -> list[dict]:
     """The sweep of one checkpoint, as CSV rows with numbers (cached in out/sweep.csv)."""
     table = out / "sweep.csv"
     if not table.is_file():
         from nag_lightning.analysis.sweep import sweep
 
         sweep(str(ckpt), out_dir=str(out), val_batches=val_batches, fit_batches=fit_batches,
-              trust_checkpoint=trust_checkpoint)
+              trust_checkpoint=trust_checkpoint, router_options=router_options)
     with table.open() as handle:
         return [{k: (v if k in ("method", "setting") else float(v or "nan")) for k, v in row.items()}
                 for row in csv.DictReader(handle)]
@@ -129,6 +129,7 @@ def tradeoff_study(
     extra: list[str] = [],  # noqa: B006
     lrs: dict[str, float] = {},  # noqa: B006
     trust_checkpoint: bool = False,
+    router_options: dict[str, dict] = {},  # noqa: B006
 ) -> dict[tuple[str, int], list[dict]]:
     """Sweep post-training skipping on trained prenorm and NAG models; one plot, one table.
 
@@ -147,6 +148,9 @@ def tradeoff_study(
         trust_checkpoint: let the runs' checkpoints, read back for the sweeps, import and call a
             residual or router class path outside the registered plugins (your own --residuals or
             extra options); only for run folders whose origin you trust.
+        router_options: per residual, options of the routers its sweeps attach, e.g. {nag:
+            {predictor: angle}} to skip on NAG's own gated angle instead of a fitted probe. Sweeps
+            are cached by run name in `out`: give another `out` when these change.
     """
     out_dir = Path(out)
     curves = {}
@@ -156,7 +160,7 @@ def tradeoff_study(
             name = run_name(residual, depth, seed, lrs.get(residual))
             ckpt = Path(depth_out) / name / "version_0" / "checkpoints" / "last.ckpt"
             curves[(residual, seed)] = sweep_run(ckpt, out_dir / name, val_batches, fit_batches,
-                                                 trust_checkpoint)
+                                                 trust_checkpoint, router_options.get(residual))
             print(json.dumps({"run": name, "points": len(curves[(residual, seed)])}), flush=True)
     write_tables(curves, out_dir)
     plot(curves, out_dir / "tradeoff.png", depth)

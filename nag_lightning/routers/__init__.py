@@ -143,11 +143,12 @@ class Router(nn.Module):
         validation batch."""
         raise NotImplementedError(f"{cls.__name__} names no sweep_setting to sweep.")
 
-    def for_sweep(self, fit_steps: int) -> Router | None:
+    def for_sweep(self, fit_steps: int, **options: object) -> Router | None:
         """A router to put in this one's place before a post-training sweep of a model that was
         trained without routing, or None to sweep this one as it is. The sweep fits the new
-        router's parameters on `fit_steps` training batches through its `aux_loss`, the model
-        frozen, so it must learn from `observe` in training mode."""
+        router's parameters (if it has any) on `fit_steps` training batches through its
+        `aux_loss`, the model frozen, so it must learn from `observe` in training mode. `options`
+        are the sweep's `router_options` for that router, passed only when the user gave some."""
         return None
 
 
@@ -163,11 +164,14 @@ class NoRouter(Router):
     def forward(self, h: Tensor) -> Route:
         return Route()
 
-    def for_sweep(self, fit_steps: int) -> Router:
+    def for_sweep(self, fit_steps: int, **options: object) -> Router:
         """A model trained without routing is swept with threshold routers: the contribution angle
-        needs no training of the model to predict, only of a probe. Every token runs while the
-        probe is fitted."""
-        return ROUTERS.get("threshold")(self.d_model, warmup_steps=fit_steps)
+        needs no training of the model to predict, only of a probe (or none, with `predictor:
+        angle` for a residual that knows its angle in advance). Every token runs while the probe
+        is fitted."""
+        cls = ROUTERS.get("threshold")
+        ROUTERS.check_options(cls, options, ("d_model",), "router_options")
+        return cls(self.d_model, **{"warmup_steps": fit_steps, **options})
 
 
 def build_router(spec: str | dict, d_model: int, **options: object) -> Router:
