@@ -262,3 +262,18 @@ def test_tradeoff_study_finds_the_runs_of_a_learning_rate_sweep(tmp_path, monkey
                             out=str(tmp_path / "tradeoff"), lrs={"nag": 1.2e-2})
     assert trained == [("prenorm", None), ("nag", 1.2e-2)]
     assert [p.parts[-4] for p in swept] == ["prenorm-L8-s1", "nag-L8-s1-lr0.012"]
+
+
+def test_tradeoff_study_passes_each_residuals_router_options_to_its_sweeps(tmp_path, monkeypatch):
+    from nag_lightning.analysis import tradeoff_study as tradeoff
+
+    options = []
+    monkeypatch.setattr(tradeoff, "run_one", lambda *args: None)
+    rows = [{"method": m, "mod_rate": rate, "bpb": 3.0 + rate, "setting": "", "executed_flops": 1 - rate}
+            for m in ("threshold", "oracle") for rate in (0.0, 0.1, 0.2, 0.3)]
+    monkeypatch.setattr(tradeoff, "sweep_run", lambda *args: options.append(args[-1]) or rows)
+    monkeypatch.setattr(tradeoff, "plot", lambda *args: None)
+    (tmp_path / "tradeoff").mkdir()
+    tradeoff.tradeoff_study(depth=8, seeds=[1], residuals=["prenorm", "nag"], depth_out=str(tmp_path),
+                            out=str(tmp_path / "tradeoff"), router_options={"nag": {"predictor": "angle"}})
+    assert options == [None, {"predictor": "angle"}]
