@@ -4,6 +4,7 @@ router and residual strategy, so a new plugin is tested the moment it is registe
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -262,8 +263,9 @@ def test_sublayer_flops_fall_in_proportion_to_the_executed_fraction(router, opti
 
 
 def text_batches(n: int, batch: int = 4, length: int = T + 1, seed: int = 0) -> list[torch.Tensor]:
-    """Real text (this package's own source) cut into random windows."""
-    source = Path(__file__).resolve().parents[1] / "nag_lightning"
+    """Real text (Python source of the standard library's json package, which edits to this
+    package do not change) cut into random windows."""
+    source = Path(json.__file__).parent
     data = torch.tensor(list(b"".join(p.read_bytes() for p in sorted(source.rglob("*.py")))))
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(data) - length, (n, batch), generator=g)
@@ -304,7 +306,9 @@ def test_threshold_target_rate_is_reached_in_a_short_run(residual):
             model(batch[:, :-1])
             held_out.append(routing_stats(model, T)["mod_rate"])
     # (within 3 points under init_std 0.02; 3.3-3.7 points under the 1/sqrt(d) init, where the
-    # predictions still drift faster at step 100 and the running threshold lags them)
+    # predictions still drift faster at step 100 and the running threshold lags them; 2.3 points
+    # for the priced NAG on this text, and up to 5 on this package's own source, which every edit
+    # changed: hence the fixed text)
     assert sum(held_out) / len(held_out) == pytest.approx(sum(rates[-40:]) / 40, abs=0.04)
     assert all(s.router.tau.item() > 0 for s in model.sublayers)
 
