@@ -1,0 +1,77 @@
+"""k-hop pointer chasing: follow a random permutation k times, k mixed within a sequence.
+
+Each sequence opens with the table of a fresh permutation f of `n_nodes` letters, sources in order,
+then asks queries until the sequence is full:
+
+    aq bf cz ... p d |  c 3 = x ;  k 1 = m ;  f 7 = b ;  ...
+    ^ sources: FORMAT    ^ query letter and hop count: UNPREDICTABLE
+      ^ targets: UNPREDICTABLE    ^ '=', ';': FORMAT     ^ answer f^k(query): difficulty k
+
+Following k pointers needs k sequential look-ups; a Transformer can do them by doubling
+(f, f^2, f^4, ...), so the depth it needs grows like log k, and no fixed depth suffices for all k
+(Sanford, Hsu & Telgarsky 2024, "Transformers, parallel computation, and logarithmic depth",
+arXiv 2402.09268). A permutation, not any function, keeps every hop count's answer uniform: chains
+never collapse into a fixed point that a shallow model could guess.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nag_lightning.tasks import FORMAT, TASKS, UNPREDICTABLE, Labelled, Task
+
+_QUERY = 5  # letter, hop count, '=', answer, ';'
+
+
+@TASKS.register("hops")
+class PointerChasing(Task):
+    """k-hop pointer chasing over a random permutation.
+
+    Args:
+        n_nodes: letters in the permutation (2 to 26).
+        max_hops: the largest hop count k asked (1 to 9); every query draws k uniformly from
+            1..max_hops.
+    """
+
+    def __init__(self, n_nodes: int = 16, max_hops: int = 8) -> None:
+        if not 2 <= n_nodes <= 26:
+            raise ValueError(f"hops: n_nodes must be between 2 and 26 (one letter each); got {n_nodes}.")
+        if not 1 <= max_hops <= 9:
+            raise ValueError(f"hops: max_hops must be between 1 and 9 (one digit each); got {max_hops}.")
+        self.n_nodes, self.max_hops = n_nodes, max_hops
+        self.max_difficulty = max_hops
+
+    def min_length(self) -> int:
+        return 2 * self.n_nodes + 1 + _QUERY
+
+    def describe(self) -> str:
+        return f"hops(n_nodes={self.n_nodes}, max_hops={self.max_hops})"
+
+    def sample(self, n: int, length: int, generator: torch.Generator) -> Labelled:
+        nodes = self.n_nodes
+        perm = torch.rand(n, nodes, generator=generator).argsort(1)  # f, one per row
+        a = ord("a")
+        table = torch.stack([torch.arange(nodes).expand(n, nodes), perm], 2).flatten(1) + a
+        table_labels = torch.tensor([FORMAT, UNPREDICTABLE]).repeat(nodes).expand(n, -1)
+        queries = max((length - 2 * nodes - 1) // _QUERY, 0)
+        start = torch.randint(nodes, (n, queries), generator=generator)
+        hops = torch.randint(1, self.max_hops + 1, (n, queries), generator=generator)
+        answer = start.clone()
+        for step in range(1, self.max_hops + 1):  # answer = f^hops(start), one hop at a time
+            moved = perm.gather(1, answer)
+            answer = torch.where(hops >= step, moved, answer)
+        query = torch.stack([
+            start + a, hops + ord("0"), torch.full_like(start, ord("=")), answer + a,
+            torch.full_like(start, ord(";")),
+        ], 2)
+        query_labels = torch.stack([
+            torch.full_like(start, UNPREDICTABLE), torch.full_like(start, UNPREDICTABLE),
+            torch.full_like(start, FORMAT), hops, torch.full_like(start, FORMAT),
+        ], 2)
+        bar = torch.full((n, 1), ord("|"))
+        tokens = torch.cat([table, bar, query.flatten(1)], 1)
+        labels = torch.cat([table_labels, torch.full((n, 1), FORMAT), query_labels.flatten(1)], 1)
+        pad = length - tokens.shape[1]
+        tokens = torch.cat([tokens, torch.full((n, pad), self.PAD)], 1)[:, :length]
+        labels = torch.cat([labels, torch.full((n, pad), FORMAT)], 1)[:, :length]
+        return Labelled(tokens, labels)
