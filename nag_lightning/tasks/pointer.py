@@ -1,6 +1,6 @@
-"""k-hop pointer chasing: follow a random permutation k times, k mixed within a sequence.
+"""k-hop pointer chasing: follow a random cyclic permutation k times, k mixed within a sequence.
 
-Each sequence opens with the table of a fresh permutation f of `n_nodes` letters, sources in order,
+Each sequence opens with the table of a fresh cyclic permutation f of `n_nodes` letters, sources in order,
 then asks queries until the sequence is full:
 
     aq bf cz ... p d |  c 3 = x ;  k 1 = m ;  f 7 = b ;  ...
@@ -10,8 +10,10 @@ then asks queries until the sequence is full:
 Following k pointers needs k sequential look-ups; a Transformer can do them by doubling
 (f, f^2, f^4, ...), so the depth it needs grows like log k, and no fixed depth suffices for all k
 (Sanford, Hsu & Telgarsky 2024, "Transformers, parallel computation, and logarithmic depth",
-arXiv 2402.09268). A permutation, not any function, keeps every hop count's answer uniform: chains
-never collapse into a fixed point that a shallow model could guess.
+arXiv 2402.09268). f is one cycle through all the letters, so for k < n_nodes the answer is never
+the query itself and is uniform over the other letters: a permutation with short cycles would
+return to the query after a few hops, a guess a shallow model learns (f^4(x) = x for every letter
+on a cycle of length 1, 2 or 4), and any other function collapses chains onto its fixed points.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ _QUERY = 5  # letter, hop count, '=', answer, ';'
 
 @TASKS.register("hops")
 class PointerChasing(Task):
-    """k-hop pointer chasing over a random permutation.
+    """k-hop pointer chasing over a random cyclic permutation.
 
     Args:
         n_nodes: letters in the permutation (2 to 26).
@@ -49,7 +51,8 @@ class PointerChasing(Task):
 
     def sample(self, n: int, length: int, generator: torch.Generator) -> Labelled:
         nodes = self.n_nodes
-        perm = torch.rand(n, nodes, generator=generator).argsort(1)  # f, one per row
+        order = torch.rand(n, nodes, generator=generator).argsort(1)  # the cycle's order, per row
+        perm = torch.empty_like(order).scatter_(1, order, order.roll(-1, 1))  # f(order[i]) = order[i+1]
         a = ord("a")
         table = torch.stack([torch.arange(nodes).expand(n, nodes), perm], 2).flatten(1) + a
         table_labels = torch.tensor([FORMAT, UNPREDICTABLE]).repeat(nodes).expand(n, -1)
