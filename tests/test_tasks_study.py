@@ -59,6 +59,22 @@ def test_study_tasks_trains_evaluates_and_reports_every_run(tmp_path, monkeypatc
     assert any(r.get("accuracy") == 0.123456 for r in again)
 
 
+def test_each_router_setting_is_its_own_run_and_its_skips_are_counted(tmp_path, monkeypatch, in_process,
+                                                                       one_thread):
+    monkeypatch.chdir(tmp_path)
+    topk = ["--model.arch.router=topk", "--model.arch.router_options={capacity: 0.5}"]
+    rows = tasks_study(recipe=DEBUG, out="study", depths=[2], seeds=[1], residuals=["nag"],
+                       routers={"none": [], "topk50": topk}, eval_sequences=4,
+                       extra=["--trainer.max_steps=2", "--trainer.val_check_interval=2"])
+    assert {r["router"] for r in rows} == {"none", "topk50"}
+    config = tmp_path / "study" / "nag-L2-s1-topk50" / "version_0" / "config.yaml"
+    assert "router: topk" in config.read_text()
+    skips = {r["router"]: sum(x["skip_rate"] * x["count"] for x in rows if x["router"] == r["router"])
+             for r in rows}
+    assert skips["none"] == 0 and skips["topk50"] > 0
+    assert "| nag | topk50 | 2 |" in (tmp_path / "study" / "tasks.md").read_text()
+
+
 def test_a_recipe_on_text_is_refused_with_one_sentence(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text("model: {arch: {seq_len: 32}}\ndata: {class_path: nag_lightning.ByteDataModule}\n")

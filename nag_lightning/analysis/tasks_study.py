@@ -91,8 +91,9 @@ def summarise(rows: list[dict], out: Path) -> list[dict]:
         groups.setdefault((row["residual"], row["router"], row["depth"]), []).append(row)
     names = [name for level, name in sorted({(r["level"], r["name"]) for r in rows}) if level >= 0]
     summary = []
-    for (residual, router, depth), runs in sorted(groups.items(), key=lambda g: (g[0][0], g[0][1] or "",
-                                                                                 g[0][2])):
+    panels = dict.fromkeys((r["residual"], r["router"]) for r in rows)  # in the order the study ran them
+    order = {key: index for index, key in enumerate(panels)}
+    for (residual, router, depth), runs in sorted(groups.items(), key=lambda g: (order[g[0][:2]], g[0][2])):
         entry = {"residual": residual, "router": router, "depth": depth,
                  "seeds": len({r["seed"] for r in runs})}
         for name in names:
@@ -129,8 +130,9 @@ def plot_accuracy(summary: list[dict], path: Path) -> None:
         points = [e for e in summary if (e["residual"], e["router"]) == (residual, router)]
         for index, level in enumerate(levels):
             style = (dict(color="black", ls="--") if level == "format"
-                     else dict(color=colors(index / len(levels))))
-            ax.plot([e["depth"] for e in points], [e[level] for e in points], "o-", label=level, **style)
+                     else dict(color=colors(index / len(levels)), ls="-"))
+            ax.plot([e["depth"] for e in points], [e[level] for e in points], marker="o", label=level,
+                    **style)
         ax.set_xscale("log", base=2)
         ax.set_xticks([e["depth"] for e in points], [str(e["depth"]) for e in points])
         ax.set(xlabel="blocks", title=residual if router is None else f"{residual}, {router}",
@@ -156,6 +158,7 @@ def plot_compute(rows: list[dict], path: Path) -> None:
                 means = [_mean([r[key] for r in mine if r["depth"] == depth and r["level"] == k])
                          for k in levels]
                 axes[row_index][column].plot(levels, means, "o-", label=f"{depth} blocks")
+                axes[row_index][column].set_xticks(levels)
         title = residual if router is None else f"{residual}, {router}"
         axes[0][column].set(title=title, xlabel="difficulty (0: format)",
                             ylabel="angle summed over sublayers (rad)")
