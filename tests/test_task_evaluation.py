@@ -117,3 +117,11 @@ def test_one_block_learns_the_format_but_not_the_hardest_answers():
         "hops", {"n_nodes": 6, "max_hops": 3}, 64, 49, seed=1)).rows}
     assert rows["format"]["accuracy"] > 0.9, rows["format"]
     assert rows["k3"]["accuracy"] < 0.5, rows["k3"]
+
+
+def test_evaluation_sequences_come_from_registered_tasks_only():
+    with pytest.raises(ValueError, match="Unknown task 'os.system'; registered: hops, state"):
+        task_sequences("os.system", {}, 2, 49, seed=0)
+    assert not torch.equal(task_sequences("hops", {}, 2, 49, seed=0).tokens,
+                           task_sequences("hops", {}, 2, 49, seed=1).tokens)
+

@@ -10,6 +10,7 @@ import pytest
 
 from nag_lightning.analysis import study
 from nag_lightning.analysis.tasks_study import task_settings, tasks_study
+from nag_lightning.tasks.evaluation import evaluate_checkpoint, task_sequences
 from tests.helpers import run_command
 from tests.test_study import InProcess
 
@@ -50,6 +51,9 @@ def test_study_tasks_trains_evaluates_and_reports_every_run(tmp_path, monkeypatc
     assert markdown.count("\n| nag |") == 2 and markdown.count("\n| prenorm |") == 2
     for figure in ("tasks.png", "tasks_compute.png"):
         assert (out / figure).stat().st_size > 10_000
+    with pytest.raises(ValueError, match="more than the checkpoint's model.arch.seq_len = 48"):
+        evaluate_checkpoint(str(out / "nag-L1-s3" / "version_0" / "checkpoints" / "last.ckpt"),
+                            task_sequences("hops", {}, 2, 65, seed=0))
     # evaluated on fresh sequences once: a second study reads every result from the cache
     evaluation = json.loads((out / "nag-L1-s3" / "difficulty.json").read_text())
     next(r for r in evaluation["levels"] if r["name"] == "k2")["accuracy"] = 0.123456
