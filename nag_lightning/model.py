@@ -366,6 +366,9 @@ class Sublayer(nn.Module):
         written, angle = strategy.write(state, self.compute(h), None, self.index, True)
         keep = angle >= self.oracle_tau  # (B, T)
         self.executed_per_seq = keep.sum(1)
+        if self.record:
+            self.contribution, self.executed = torch.where(keep, angle, 0.0), keep
+            self.planned_angle = strategy.planned_angle(state, self.index)
         return tuple(torch.where(keep.unsqueeze(-1) if new.ndim > keep.ndim else keep, new, old)
                      for new, old in zip(written, state))
 

@@ -66,6 +66,15 @@ def test_a_router_skips_show_as_fewer_executed_sublayers():
     assert math.isclose(mean_skip, mod_rate, rel_tol=1e-5)
 
 
+def test_under_the_oracle_only_the_kept_writes_count():
+    model = tiny("nag", router="topk", router_options={"capacity": 0.5})
+    score_batch(model, hops_batch())  # leaves the routers' records behind
+    model.set_oracle(10.0)  # radians: no write reaches it, so every routed sublayer is dropped
+    scores = score_batch(model, hops_batch())
+    assert (scores.executed == 0).all() and (scores.angle == 0).all()
+    assert scores.planned.isfinite().all()
+
+
 def test_the_table_groups_tokens_by_level():
     scores = TokenScores(
         difficulty=torch.tensor([[-1, 0, 0, 2, 2, 2]]),

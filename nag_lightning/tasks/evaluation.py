@@ -120,7 +120,7 @@ class DifficultyScores(Metric):
             for key in ("accuracy", "loss", "angle", "planned_angle", "executed"):
                 value = row[key]
                 if value is not None and value == value:  # NaN: the strategy plans no angle
-                    values[f"{row['name']}/{key}"] = torch.tensor(value)
+                    values[f"{row['name']}/{key}"] = torch.tensor(value, device=self.device)
         return values
 
 
