@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nag_lightning.tasks import FORMAT, UNPREDICTABLE, Labelled
-from nag_lightning.tasks.datamodule import FILE_PAD, TaskDataModule, read_labelled
+from nag_lightning.tasks.datamodule import FILE_PAD, Batches, TaskDataModule, read_labelled
 from tests.helpers import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +42,12 @@ def test_validation_is_labelled_and_from_its_own_stream():
     assert not (train[:, None] == val[0].tokens[None]).all(-1).any(), "a validation row was trained on"
     assert [torch.equal(a.tokens, b.tokens) for a, b in zip(val, data().val_dataloader())] == [True] * 3
     assert all(torch.equal(a.tokens, b) for a, b in zip(val, module.test_dataloader()))
+
+
+def test_each_rank_validates_on_its_own_share():
+    sequences = Labelled(torch.arange(10)[:, None].repeat(1, 3), torch.zeros(10, 3, dtype=torch.long))
+    shares = [[b.tokens[:, 0].tolist() for b in Batches(sequences, 2, rank, 2)] for rank in (0, 1)]
+    assert shares == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7]]]
 
 
 def test_the_loader_resumes_from_its_state_where_it_stopped():
