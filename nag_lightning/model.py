@@ -352,8 +352,8 @@ class Sublayer(nn.Module):
         if self.record:
             self.contribution = angle
             self.state_norm = strategy.state_norm(state).detach()
-            self.executed = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device) if executed is None \
-                else executed.detach()
+            every = executed is None
+            self.executed = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device) if every else executed
             self.planned_angle = None if planned is None else planned.detach()
         return state
 
