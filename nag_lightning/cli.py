@@ -38,10 +38,16 @@ class NagCLI:
     run_folder: RunFolder | None = None
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        from jsonargparse import lazy_instance
+
         from nag_lightning.callbacks import DepthDiagnostics, RunCheckpoint
+        from nag_lightning.data import ByteDataModule
         from nag_lightning.trust import TRUST_HELP
 
-        parser.link_arguments("model.arch.seq_len", "data.seq_len")
+        # Any data module by class_path (task data: nag_lightning.tasks.datamodule.TaskDataModule), the text
+        # one by default, so `data: {source: ...}` and `--data.source` need no class_path.
+        parser.set_defaults({"data": lazy_instance(ByteDataModule)})
+        parser.link_arguments("model.arch.seq_len", "data.init_args.seq_len")
         # The vocabulary follows the tokenizer, known once the data module exists (a BPE is
         # trained then), so the link applies at instantiation.
         parser.link_arguments("data.vocab_size", "model.arch.vocab_size", apply_on="instantiate")
@@ -94,10 +100,13 @@ class NagCLI:
             typed = (config.model.get("arch") or {}).get("vocab_size")
         try:
             super().instantiate_classes()
-        except BaseException:
+        except BaseException as error:
             if self.run_folder is not None:
                 self.run_folder.release()
-            raise
+            own = _own_sentence(error)
+            if own is error:
+                raise
+            raise own from None
         if self.run_folder is not None:
             self.run_folder.attach(self.trainer)
         needed = getattr(self.datamodule, "vocab_size", None)
@@ -159,6 +168,17 @@ class NagCLI:
                  f"run's: {', '.join(replaced)}{advice}.")
         if saved:
             self.config = self.parser.parse_object({subcommand: {"model": saved}}, self.config)
+
+
+def _own_sentence(error: BaseException) -> BaseException:
+    """The data module's own error, not the union of class choices jsonargparse wraps it in (the
+    data is any LightningDataModule by class_path, so a bad `data.X` fails inside that union)."""
+    cause = error.__cause__
+    if str(error).startswith("Does not validate against any of the Union subtypes") and isinstance(
+        cause, (ValueError, FileNotFoundError)
+    ):
+        return cause
+    return error
 
 
 def _without_option(argv: list[str], option: str) -> tuple[list[str], str | None]:
@@ -248,14 +268,16 @@ def lightning_cli_class() -> type:
 
 def run_lightning_cli(args: list[str] | None = None, run: bool = True) -> NagCLI:
     """The LightningCLI part of the command, also used by tests to parse recipes."""
-    from nag_lightning.data import ByteDataModule
+    import lightning as L
+
     from nag_lightning.module import NAGLanguageModel
     from nag_lightning.quiet import silence_irrelevant_messages
 
     silence_irrelevant_messages()
     return lightning_cli_class()(
         NAGLanguageModel,
-        ByteDataModule,
+        L.LightningDataModule,  # text (ByteDataModule) by default, see add_arguments_to_parser
+        subclass_mode_data=True,
         args=args,
         run=run,
         seed_everything_default=42,
@@ -327,6 +349,7 @@ COMMANDS: dict[str, str | dict[str, str]] = {
         "depth": "nag_lightning.analysis.depth_study:depth_study",
         "isoflop": "nag_lightning.analysis.isoflop_study:isoflop_study",
         "tradeoff": "nag_lightning.analysis.tradeoff_study:tradeoff_study",
+        "tasks": "nag_lightning.analysis.tasks_study:tasks_study",
     },
 }
 
@@ -341,7 +364,7 @@ SUMMARIES: dict[str, str] = {
     "compare": "finished runs side by side: tokens, training FLOPs, final bits per byte",
     "sweep": "accuracy against executed compute of a checkpoint's routing, CSV and PNG",
     "generate": "continue a prompt from a checkpoint, routing causally",
-    "study": "experiments of many runs: depth, isoflop, tradeoff",
+    "study": "experiments of many runs: depth, isoflop, tradeoff, tasks",
 }
 
 

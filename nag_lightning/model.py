@@ -273,7 +273,8 @@ class Sublayer(nn.Module):
 
     After each forward it holds, detached, what accounting and diagnostics read: `executed_per_seq`
     (B,) executed tokens of each sequence, and, when `record` is set, `contribution` (B, T) and
-    `state_norm` (B, T) after the write.
+    `state_norm` (B, T) after the write, `executed` (B, T) which tokens ran, and `planned_angle`
+    (B, T) the strategy's angle before the sublayer ran (None when it has none).
 
     With `oracle_tau` set (analysis only, `Transformer.set_oracle`), the router is not asked: every
     token runs, and the write is kept where the angle it turned the token by reaches oracle_tau.
@@ -289,6 +290,8 @@ class Sublayer(nn.Module):
         self.executed_per_seq: Tensor | None = None
         self.contribution: Tensor | None = None
         self.state_norm: Tensor | None = None
+        self.executed: Tensor | None = None
+        self.planned_angle: Tensor | None = None
         self.oracle_tau: float | None = None
 
     @property
@@ -304,8 +307,11 @@ class Sublayer(nn.Module):
             return self._oracle(state, strategy)
         # (B, T, C); cast for models held in low precision while the state lanes stay fp32
         h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
+        planned = None
+        if self.router.reads_planned_angle or (self.record and cached is None):
+            planned = strategy.planned_angle(state, self.index)
         if self.router.reads_planned_angle:
-            route: Route = self.router(h, planned_angle=strategy.planned_angle(state, self.index))
+            route: Route = self.router(h, planned_angle=planned)
         else:
             route = self.router(h)
         executed = route.executed if cached is None else cached.executes(route.executed)
@@ -346,6 +352,9 @@ class Sublayer(nn.Module):
         if self.record:
             self.contribution = angle
             self.state_norm = strategy.state_norm(state).detach()
+            every = executed is None
+            self.executed = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device) if every else executed
+            self.planned_angle = None if planned is None else planned.detach()
         return state
 
 
@@ -357,6 +366,9 @@ class Sublayer(nn.Module):
         written, angle = strategy.write(state, self.compute(h), None, self.index, True)
         keep = angle >= self.oracle_tau  # (B, T)
         self.executed_per_seq = keep.sum(1)
+        if self.record:
+            self.contribution, self.executed = torch.where(keep, angle, 0.0), keep
+            self.planned_angle = strategy.planned_angle(state, self.index)
         return tuple(torch.where(keep.unsqueeze(-1) if new.ndim > keep.ndim else keep, new, old)
                      for new, old in zip(written, state))
 

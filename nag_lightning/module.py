@@ -28,6 +28,8 @@ from nag_lightning.compile import compile_model
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.residuals import ResidualStrategy
 from nag_lightning.saved_settings import check_architecture, saved_architecture
+from nag_lightning.tasks import Labelled
+from nag_lightning.tasks.evaluation import DifficultyScores, score_batch
 from nag_lightning.tokenizer import Tokenizer
 
 SCHEDULES = ("cosine", "wsd")
@@ -98,6 +100,7 @@ class NAGLanguageModel(L.LightningModule):
         self.routed = any(s.routed for s in self.model.sublayers)
         self.val_bpb, self.val_loss = BitsPerByte(), MeanMetric()
         self.test_bpb, self.test_loss = BitsPerByte(), MeanMetric()
+        self.val_by_difficulty = DifficultyScores()  # filled by task data's labelled batches only
         # The tokenizer of the data (from the data module at setup, or from a checkpoint): its
         # per-id byte counts turn the loss into bits per byte, and generation encodes with it.
         self.tokenizer: Tokenizer = Tokenizer()
@@ -188,8 +191,10 @@ class NAGLanguageModel(L.LightningModule):
                     return f"resume from the newest {kind}checkpoint with --ckpt_path {path}."
         return "start again: no checkpoint was written before the loss diverged."
 
-    def _evaluate(self, batch: Tensor, bpb: BitsPerByte, per_token: MeanMetric, stage: str) -> None:
-        loss, _ = self._loss(batch)
+    def _evaluate(self, batch: Tensor, bpb: BitsPerByte, per_token: MeanMetric, stage: str,
+                  loss: Tensor | None = None) -> None:
+        if loss is None:
+            loss, _ = self._loss(batch)
         tokens = batch[:, 1:].numel()
         n_bytes = self._bytes(batch[:, 1:])
         # weighted by bytes, the mean of (loss per byte) is the summed loss over the summed bytes
@@ -198,8 +203,20 @@ class NAGLanguageModel(L.LightningModule):
         self.log(f"{stage}/bpb", bpb, prog_bar=stage == "val")
         self.log(f"{stage}/loss_per_token", per_token)
 
-    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+    def validation_step(self, batch: Tensor | Labelled, batch_idx: int) -> None:
+        if isinstance(batch, Labelled):  # task data: also scored per difficulty level
+            scores = score_batch(self.model, batch)
+            self.val_by_difficulty.update(scores)
+            self._evaluate(batch.tokens, self.val_bpb, self.val_loss, "val", scores.loss.mean())
+            return
         self._evaluate(batch, self.val_bpb, self.val_loss, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        """Log accuracy, loss and compute per difficulty level (`nag_lightning.tasks.evaluation`)."""
+        if self.val_by_difficulty.update_called:
+            values = self.val_by_difficulty.compute()
+            self.log_dict({f"val/difficulty/{name}": value for name, value in values.items()})
+            self.val_by_difficulty.reset()
 
     def test_step(self, batch: Tensor, batch_idx: int) -> None:
         self._evaluate(batch, self.test_bpb, self.test_loss, "test")

@@ -24,13 +24,12 @@ At the end the study writes:
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import statistics
 from pathlib import Path
 
-from nag_lightning.analysis.study import RESIDUALS, check_recipe, run_name, run_one
+from nag_lightning.analysis.study import RESIDUALS, check_recipe, run_name, run_one, write_csv
 from nag_lightning.plotting import pyplot, save
 
 COLORS = {"prenorm": "tab:gray", "nag": "tab:blue", "lns": "tab:orange", "periln": "tab:green",
@@ -97,12 +96,8 @@ def summarise(results: list[dict], out: Path) -> list[dict]:
 
 
 def write_tables(results: list[dict], rows: list[dict], out: Path, residuals: list[str]) -> None:
-    fields = list(dict.fromkeys(key for r in results for key in r))
-    with (out / "depth.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields, restval="")
-        writer.writeheader()
-        writer.writerows(sorted(results, key=lambda r: (r["depth"], r["residual"], r["seed"],
-                                                        r.get("lr") or 0.0)))
+    write_csv(sorted(results, key=lambda r: (r["depth"], r["residual"], r["seed"], r.get("lr") or 0.0)),
+              out / "depth.csv")
     sweep = any("lr" in r for r in results)
     head = [f"{r} bpb (min-max{', lr' if sweep else ''})" for r in residuals]
     head += ["best other", "NAG gain over it (bpb)", "NAG gain over prenorm (bpb)"]

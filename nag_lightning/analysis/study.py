@@ -63,6 +63,22 @@ def fit_run(out: Path, name: str, args: list[str]) -> dict:
     return result
 
 
+def write_csv(rows: list[dict], path: Path) -> None:
+    """`rows` as CSV, the columns in order of first appearance, a missing value empty."""
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of the cells in `rows` under `head`."""
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows]) + "\n"
+
+
 def check_recipe(recipe: str) -> None:
     if not Path(recipe).is_file():
         raise FileNotFoundError(

@@ -3,9 +3,9 @@
 Each sequence opens with the table of a fresh cyclic permutation f of `n_nodes` letters, sources in order,
 then asks queries until the sequence is full:
 
-    aq bf cz ... p d |  c 3 = x ;  k 1 = m ;  f 7 = b ;  ...
-    ^ sources: FORMAT    ^ query letter and hop count: UNPREDICTABLE
-      ^ targets: UNPREDICTABLE    ^ '=', ';': FORMAT     ^ answer f^k(query): difficulty k
+    aqbfcz...pd|c3=x;k1=m;f7=b;...   (n_nodes pairs, '|', then queries of 5 tokens each)
+    ^ sources: FORMAT     ^ query letter and hop count: UNPREDICTABLE
+     ^ targets: UNPREDICTABLE   '=', ';': FORMAT; the answer f^k(query): difficulty k
 
 Following k pointers needs k sequential look-ups; a Transformer can do them by doubling
 (f, f^2, f^4, ...), so the depth it needs grows like log k, and no fixed depth suffices for all k
