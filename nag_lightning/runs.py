@@ -217,11 +217,13 @@ def _run_of(checkpoint: Path) -> Path:
 
 
 def _metrics_before(folder: Path, step: int) -> list[dict[str, str]] | None:
+    from nag_lightning.analysis.compare import metric_step, metrics_rows
+
     path = folder / "metrics.csv"
     if not path.is_file():
         return None
-    with open(path, newline="") as file:
-        return [row for row in csv.DictReader(file) if row.get("step", "") != "" and int(row["step"]) < step]
+    return [row for line, row in metrics_rows(path)
+            if row.get("step", "") != "" and metric_step(row["step"], path, line) < step]
 
 
 def _resolve_last(config: Any, loggers: list[Any]) -> tuple[Path | None, int | None]:
