@@ -26,7 +26,6 @@ A command refused for bad input removes the folder it claimed, unless something 
 
 from __future__ import annotations
 
-import csv
 import importlib
 import os
 import re
