@@ -107,12 +107,7 @@ class NagCLI:
         if typed is None:
             # from a config file: the link replaces it
             typed = (config.model.get("arch") or {}).get("vocab_size")
-        from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-        try:
-            super().instantiate_classes()
-        except MisconfigurationException as error:  # the Trainer's checks of its own settings
-            raise ValueError(f"The trainer settings cannot run here: {error}") from None
+        super().instantiate_classes()
         if self.run_folder is not None:
             self.run_folder.attach(self.trainer)
         needed = getattr(self.datamodule, "vocab_size", None)
@@ -122,6 +117,16 @@ class NagCLI:
                 f"data.tokenizer={self.datamodule.tokenizer.spec!r}; leave model.arch.vocab_size out: it "
                 "follows data.tokenizer."
             )
+
+    def _instantiate_trainer(self, config, callbacks):
+        """LightningCLI's, with the Trainer's refusals of its own settings (devices this
+        accelerator cannot use, an accelerator whose library is missing) as one sentence."""
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        try:
+            return super()._instantiate_trainer(config, callbacks)
+        except (MisconfigurationException, TypeError, ImportError) as error:
+            raise ValueError(f"The trainer settings cannot run here: {error}") from None
 
     def before_instantiate_classes(self) -> None:
         """Refuse trainer settings the Trainer would fail on with a traceback, or take silently:
