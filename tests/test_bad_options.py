@@ -186,9 +186,10 @@ def test_bad_generate_options(options, message, checkpoint, capsys):
         (["--val_batches=0"], r"--val_batches=0 is not a count; give a number of at least 1"),
         (["--fit_batches=0"], r"--fit_batches=0 is not a count"),
         (["--val_batches=-2"], r"--val_batches=-2 is not a count"),
+        (["--fit_lr=-1"], r"--fit_lr=-1.0 is not a learning rate; give a positive one"),
     ],
     ids=["values", "taus", "capacities", "route_kinds", "val_batches_0", "fit_batches_0",
-         "val_batches_negative"],
+         "val_batches_negative", "fit_lr"],
 )
 def test_bad_sweep_options(options, message, checkpoint, tmp_path, capsys):
     args = ["sweep", f"--ckpt_path={checkpoint}", f"--out_dir={tmp_path / 'out'}", *options]
