@@ -177,20 +177,25 @@ def _holds_results(folder: Path) -> bool:
     if any(folder.rglob("*.ckpt")):
         return True
     for metrics in folder.rglob("metrics.csv"):
-        with open(metrics, newline="") as file:
-            if len(file.readlines()) > 1:
+        with open(metrics, "rb") as file:
+            file.readline()  # the header
+            if file.readline():
                 return True
     return False
 
 
 def lock_run(folder: Path) -> Any:
     """Take the exclusive lock of the run in `folder` and return its open file; one sentence if
-    another process holds it. Where the platform has no `fcntl` (Windows) runs are not locked."""
+    another process holds it. Where the platform has no `fcntl` (Windows), or the folder takes no
+    new file (the run then fails on its first write, and says so), runs are not locked."""
     try:
         import fcntl
     except ImportError:
         return None
-    handle = open(folder / LOCK_NAME, "a")
+    try:
+        handle = open(folder / LOCK_NAME, "a")
+    except OSError:
+        return None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
