@@ -174,7 +174,8 @@ def generate(
         ckpt_path: a .ckpt file written by `nag-lightning fit`.
         prompt: text to continue (encoded with the checkpoint's tokenizer), or a list of texts
             continued as one batch (then a list of results).
-        max_new_tokens: most tokens to generate per prompt (bytes, for a byte-level model).
+        max_new_tokens: most tokens to generate per prompt (bytes, for a byte-level model), at
+            most MAX_NEW_TOKENS (a million).
         temperature: 0 for greedy decoding, else the softmax temperature of sampling.
         top_k: sample among the top_k most likely tokens only (0: all); ignored when greedy.
         seed: seed of the sampler (prompt i of a list samples with seed + i).
