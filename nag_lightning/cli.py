@@ -136,13 +136,15 @@ class NagCLI:
         check_devices(config.trainer)
         if self.subcommand == "fit":
             trainer = config.trainer
-            for name, unit in (("max_steps", "optimizer steps"), ("max_epochs", "epochs")):
+            limits = (("max_steps", "steps", "max_epochs"), ("max_epochs", "epochs", "max_steps"))
+            for name, unit, other in limits:
                 limit = trainer.get(name)
                 if limit is not None and (limit == 0 or limit < -1):
                     problem = "would train nothing" if limit == 0 else f"is not a number of {unit}"
                     raise ValueError(
-                        f"trainer.{name}={limit} {problem}; give a positive number of {unit}, or -1 "
-                        "for no limit (training then stops at the other of max_steps and max_epochs)."
+                        f"trainer.{name}={limit} {problem}; give a positive number of "
+                        f"{'optimizer ' if unit == 'steps' else ''}{unit}, or -1 for no {unit[:-1]} "
+                        f"limit (training then stops at trainer.{other})."
                     )
             clip = trainer.get("gradient_clip_val")
             if clip is not None and not clip >= 0:
