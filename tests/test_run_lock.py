@@ -96,18 +96,24 @@ def test_a_run_is_locked_while_it_trains_and_a_second_resume_is_refused(
         ["--trainer.max_epochs=0"],
         ["--trainer.devices=0"],
         ["--weights_only=false"],  # the checkpoint options
+        ["validate", "--trainer.devices=0"],  # the other LightningCLI commands claim folders too
+        ["validate", "--ckpt_path=missing.ckpt"],
     ],
-    ids=["model", "data_missing", "data_empty", "max_epochs", "devices", "weights_only"],
+    ids=["model", "data_missing", "data_empty", "max_epochs", "devices", "weights_only",
+         "validate_devices", "validate_checkpoint"],
 )
 def test_a_refused_command_leaves_no_folder(extra, corpus, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    one_sentence(*run_cli(fit(corpus, *extra), capsys))
+    args = fit(corpus, *extra[1:]) if extra[0] == "validate" else fit(corpus, *extra)
+    if extra[0] == "validate":
+        args = ["validate", *[a for a in args[1:] if not a.startswith("--trainer.max_steps")]]
+    one_sentence(*run_cli(args, capsys))
     assert not (tmp_path / "runs").exists()
     # beside an earlier run, only the refused command's own folder goes
     earlier = tmp_path / "runs" / "debug" / "version_0"
     earlier.mkdir(parents=True)
     (earlier / "metrics.csv").write_text("step,val/bpb\n0,3.0\n")
-    one_sentence(*run_cli(fit(corpus, *extra), capsys))
+    one_sentence(*run_cli(args, capsys))
     assert [p.name for p in (tmp_path / "runs" / "debug").iterdir()] == ["version_0"]
     assert (earlier / "metrics.csv").read_text() == "step,val/bpb\n0,3.0\n"
 
