@@ -37,6 +37,20 @@ class NagCLI:
 
     run_folder: RunFolder | None = None
 
+    def __init__(self, *args, **kwargs) -> None:
+        """LightningCLI's, with the run's folder unlocked when the command ends, and removed again
+        when the command fails before it wrote anything worth keeping there (bad input)."""
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            if self.run_folder is not None:
+                trainer = getattr(self, "trainer", None)
+                self.run_folder.release(trained=getattr(trainer, "global_step", 0) > 0)
+            raise
+        finally:
+            if self.run_folder is not None:
+                self.run_folder.unlock()
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         from jsonargparse import lazy_instance
 
@@ -65,6 +79,7 @@ class NagCLI:
 
         self._parse_setting_vocab_aside(parser, args)
         subcommand = self.config.get("subcommand")
+        check_seed_everything((self.config[subcommand] if subcommand else self.config).get("seed_everything"))
         self.run_folder = prepare_run_folder(self.config[subcommand] if subcommand else self.config,
                                              subcommand)
 
@@ -101,8 +116,6 @@ class NagCLI:
         try:
             super().instantiate_classes()
         except BaseException as error:
-            if self.run_folder is not None:
-                self.run_folder.release()
             own = _own_sentence(error)
             if own is error:
                 raise
@@ -117,15 +130,39 @@ class NagCLI:
                 "follows data.tokenizer."
             )
 
+    def _instantiate_trainer(self, config, callbacks):
+        """LightningCLI's, with the Trainer's refusals of its own settings (devices this
+        accelerator cannot use, an accelerator whose library is missing) as one sentence."""
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        try:
+            return super()._instantiate_trainer(config, callbacks)
+        except (MisconfigurationException, TypeError, ImportError) as error:
+            raise ValueError(f"The trainer settings cannot run here: {error}") from None
+
     def before_instantiate_classes(self) -> None:
-        """Refuse a step limit that would train nothing (Lightning keeps -1 for no limit)."""
+        """Refuse trainer settings the Trainer would fail on with a traceback, or take silently:
+        a step or epoch limit that would train nothing (Lightning keeps -1 for no limit), a
+        negative clipping threshold, no devices, a GPU the machine does not have."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_devices(config.trainer)
         if self.subcommand == "fit":
-            max_steps = self.config.fit.trainer.max_steps
-            if max_steps is not None and (max_steps == 0 or max_steps < -1):
-                problem = "would train nothing" if max_steps == 0 else "is not a number of steps"
+            trainer = config.trainer
+            limits = (("max_steps", "steps", "max_epochs"), ("max_epochs", "epochs", "max_steps"))
+            for name, unit, other in limits:
+                limit = trainer.get(name)
+                if limit is not None and (limit == 0 or limit < -1):
+                    problem = "would train nothing" if limit == 0 else f"is not a number of {unit}"
+                    raise ValueError(
+                        f"trainer.{name}={limit} {problem}; give a positive number of "
+                        f"{'optimizer ' if unit == 'steps' else ''}{unit}, or -1 for no {unit[:-1]} "
+                        f"limit (training then stops at trainer.{other})."
+                    )
+            clip = trainer.get("gradient_clip_val")
+            if clip is not None and not clip >= 0:
                 raise ValueError(
-                    f"trainer.max_steps={max_steps} {problem}; give a positive number of optimizer "
-                    "steps, or -1 for no step limit (training then stops at trainer.max_epochs)."
+                    f"trainer.gradient_clip_val={clip} is not a gradient norm to clip at; give a "
+                    "positive one (e.g. 1.0), or 0 or null not to clip."
                 )
 
     def _parse_ckpt_path(self) -> None:
@@ -179,6 +216,39 @@ def _own_sentence(error: BaseException) -> BaseException:
     ):
         return cause
     return error
+
+
+def check_devices(trainer) -> None:
+    """One sentence for `trainer.devices` naming no device, or `trainer.accelerator` naming a GPU
+    this machine does not have (Lightning's own errors come as tracebacks)."""
+    import torch
+
+    devices, accelerator = trainer.get("devices"), trainer.get("accelerator")
+    if devices in (0, "0", []) or (isinstance(devices, int) and devices < -1):
+        raise ValueError(
+            f"trainer.devices={devices!r} names no device; give a number of devices (e.g. 1), a "
+            "list of device indices (e.g. [0, 1]), or -1 or 'auto' for all of them."
+        )
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available() and not (
+            accelerator == "gpu" and torch.backends.mps.is_available()):
+        raise ValueError(
+            f"trainer.accelerator={accelerator} needs a GPU, and torch finds none on this machine; "
+            "use --trainer.accelerator cpu, or auto to take a GPU where there is one."
+        )
+    if accelerator == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(
+            "trainer.accelerator=mps needs Apple's Metal (MPS), which this machine does not offer; "
+            "use --trainer.accelerator cpu."
+        )
+
+
+def check_seed_everything(seed: object) -> None:
+    """One sentence for a seed numpy cannot take, naming the option (Lightning's names neither)."""
+    if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**32:
+        raise ValueError(
+            f"seed_everything={seed} is outside the seeds numpy takes, 0 to {2**32 - 1}; give one "
+            "in that range, or true for a random one."
+        )
 
 
 def _without_option(argv: list[str], option: str) -> tuple[list[str], str | None]:

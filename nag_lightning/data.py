@@ -125,8 +125,22 @@ def _is_remote(source: str) -> bool:
     return "://" in source
 
 
+def check_source(source: str | list[str] | None) -> None:
+    """Refuse an empty `source`, an empty list or an empty item of one: an empty path is the
+    working directory, and training on every file under it is never what was meant."""
+    items = [source] if isinstance(source, str) else source
+    if items is None:
+        return
+    if not items or any(not str(item).strip() for item in items):
+        raise ValueError(
+            f"data.source={source!r} names no text; give a file, folder, glob or URI (or a list of "
+            "them), or leave data.source out to train on the Python standard library."
+        )
+
+
 def _local_uris(source: str | list[str] | None) -> str | list[str] | None:
     """`source` with file:// URIs turned into the local paths they name."""
+    check_source(source)
     if isinstance(source, list):
         return [_local_uri(item) for item in source]
     return source if source is None else _local_uri(source)
@@ -632,6 +646,7 @@ class ByteDataModule(L.LightningDataModule):
                 model.arch.vocab_size follows it.
         """
         super().__init__()
+        check_source(source)
         if seq_len < 2:
             raise ValueError(f"data.seq_len must be at least 2, got {seq_len}.")
         if batch_size < 1:

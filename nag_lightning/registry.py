@@ -153,6 +153,11 @@ def _path(cls: type) -> str:
 def _import_class(path: str, kind: str) -> type:
     """Import `module.Class`. A module not found on sys.path is looked for in the working directory
     too, as `python -m` would: a plugin in a .py file next to the recipe needs no PYTHONPATH."""
+    if not all(part.isidentifier() for part in path.split(".")):
+        raise ValueError(
+            f"{path!r} is neither a registered {kind} nor the dotted path of a class "
+            "(package.module.Class); give one of these."
+        )
     module_name, _, class_name = path.rpartition(".")
     try:
         try:

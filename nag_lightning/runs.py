@@ -16,14 +16,20 @@ continues in that same version folder: the loggers append to it, and the metrics
 checkpoint's step by the interrupted run are dropped, since the resumed run logs those steps again.
 When no such checkpoint exists, one line says so and a new run starts, which is what the first
 submission of a requeued cluster job needs.
+
+A run being trained is locked: `fit` holds an exclusive lock on `.lock` in its folder for as long
+as it runs (the operating system drops it when the process ends, crashed or not), so a second
+`--ckpt_path last` of the same run is refused instead of writing the same steps into it again.
+A command refused for bad input removes the folder it claimed, unless something worth keeping
+(a checkpoint, a logged metric, a training step) was written into it.
 """
 
 from __future__ import annotations
 
-import csv
 import importlib
 import os
 import re
+import shutil
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -36,6 +42,7 @@ _VERSION = re.compile(r"version_(\d+)")
 # Environment variables through which launchers (torchrun, SLURM, Lightning's own) give a process
 # its rank; only the first process of a job claims a folder.
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "NODE_RANK", "GROUP_RANK")
+LOCK_NAME = ".lock"
 
 
 def versions(root: Path) -> list[int]:
@@ -114,45 +121,113 @@ class RunFolder:
     """The version folder this run writes into, and what resuming in it needs."""
 
     version: int | None = None
-    claimed: list[Path] = field(default_factory=list)  # folders this process created
+    claimed: list[Path] = field(default_factory=list)  # version folders this process created
+    new_parents: list[Path] = field(default_factory=list)  # and the folders made to hold them
     resume_step: int | None = None  # set when `fit` continues an existing version folder
     kept_metrics: dict[Path, list[dict[str, str]]] = field(default_factory=dict)
+    lock: Any = None  # the open lock file of the folder `fit` writes into, while it runs
 
-    def release(self) -> None:
-        """Remove the claimed folders again if nothing was written into them (e.g. bad input)."""
+    def release(self, trained: bool = False) -> None:
+        """Remove the folders this command created, and what it wrote into them, when it is
+        refused: unless it `trained` a step, or wrote a checkpoint or a row of metrics there."""
+        self.unlock()
+        if trained or any(_holds_results(path) for path in self.claimed if path.is_dir()):
+            return
         for path in self.claimed:
+            shutil.rmtree(path, ignore_errors=True)
+        for path in reversed(self.new_parents):  # innermost first
             try:
                 path.rmdir()
             except OSError:
-                pass
+                pass  # another run's folder is in it now
+
+    def unlock(self) -> None:
+        """Let another process resume the run (the lock also goes when the process ends)."""
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
 
     def attach(self, trainer: Any) -> None:
         """After the loggers exist: give the CSV logger of a resumed run its earlier metrics back.
 
-        Lightning's CSV logger deletes an existing metrics.csv in a folder that holds other files;
-        the rows logged before the checkpoint's step are written back at once.
+        Lightning's CSV logger deletes an existing metrics.csv in a folder that holds other files
+        (and warns so); the rows logged before the checkpoint's step are written back at once. In a
+        new run's folder the only other file is the run's lock, so there is nothing to warn of.
         """
         from lightning.pytorch.loggers import CSVLogger
 
+        fresh = {path.resolve() for path in self.claimed}
         for logger in trainer.loggers:
             if not isinstance(logger, CSVLogger):
                 continue
-            rows = self.kept_metrics.get(Path(logger.log_dir).resolve())
-            if rows is None:
+            log_dir = Path(logger.log_dir).resolve()
+            rows = self.kept_metrics.get(log_dir)
+            if rows is None and log_dir not in fresh:
                 continue
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", ".*Previous log files in this directory will be deleted.*")
                 experiment = logger.experiment
-            experiment.metrics[:0] = [{k: v for k, v in row.items() if v != ""} for row in rows]
-            experiment.save()
+            if rows is not None:
+                experiment.metrics[:0] = [{k: v for k, v in row.items() if v != ""} for row in rows]
+                experiment.save()
+
+
+def _holds_results(folder: Path) -> bool:
+    """Whether `folder` holds a checkpoint, or a metrics.csv with a row beneath its header."""
+    if any(folder.rglob("*.ckpt")):
+        return True
+    for metrics in folder.rglob("metrics.csv"):
+        with open(metrics, "rb") as file:
+            file.readline()  # the header
+            if file.readline():
+                return True
+    return False
+
+
+def lock_run(folder: Path) -> Any:
+    """Take the exclusive lock of the run in `folder` and return its open file; one sentence if
+    another process holds it. Where the platform has no `fcntl` (Windows), or the folder takes no
+    new file (the run then fails on its first write, and says so), runs are not locked."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        handle = open(folder / LOCK_NAME, "a")
+    except OSError:
+        return None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ValueError(
+            f"The run in {folder} is being trained by another process, which holds {folder / LOCK_NAME}; "
+            "wait until it ends (or stop it) before resuming it, or start a new run without "
+            "--ckpt_path last."
+        ) from None
+    return handle
+
+
+def _new_parents(paths: list[Path]) -> list[Path]:
+    """The folders above `paths` that do not exist yet, each after the folders above it."""
+    missing = [parent for path in paths for parent in reversed(path.parents) if not parent.exists()]
+    return list(dict.fromkeys(missing))
+
+
+def _run_of(checkpoint: Path) -> Path:
+    """The folder of the run a checkpoint belongs to: the version folder above `checkpoints/`,
+    else the checkpoint's own folder (`checkpoint.dirpath`)."""
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
 
 
 def _metrics_before(folder: Path, step: int) -> list[dict[str, str]] | None:
+    from nag_lightning.analysis.compare import metric_step, metrics_rows
+
     path = folder / "metrics.csv"
     if not path.is_file():
         return None
-    with open(path, newline="") as file:
-        return [row for row in csv.DictReader(file) if row.get("step", "") != "" and int(row["step"]) < step]
+    return [row for line, row in metrics_rows(path)
+            if row.get("step", "") != "" and metric_step(row["step"], path, line) < step]
 
 
 def _resolve_last(config: Any, loggers: list[Any]) -> tuple[Path | None, int | None]:
@@ -194,6 +269,8 @@ def prepare_run_folder(config: Any, subcommand: str | None) -> RunFolder:
                       file=sys.stderr)
         else:
             config.ckpt_path = str(last)
+            if first_process and subcommand == "fit":
+                folder.lock = lock_run(_run_of(last))
             if first_process:
                 print(f"nag-lightning: resuming from {last}.", file=sys.stderr)
         if subcommand != "fit":
@@ -214,8 +291,11 @@ def prepare_run_folder(config: Any, subcommand: str | None) -> RunFolder:
                 args.purge_step = folder.resume_step
     elif first_process:
         roots = [_root(args) for args in unversioned]
+        folder.new_parents = _new_parents([root / "version_0" for root in roots])
         folder.version = claim_version(roots)
         folder.claimed = [root / f"version_{folder.version}" for root in dict.fromkeys(roots)]
+        if subcommand == "fit":
+            folder.lock = lock_run(folder.claimed[0])
     else:
         return folder  # other ranks: rank 0's folder reaches them through Lightning's broadcasts
     for args in unversioned:

@@ -32,6 +32,10 @@ BYTES = "bytes"
 _BPE = re.compile(r"bpe:(\d+)")
 # Ids fit the narrowest dtype litdata stores: chunks of a 4096-id BPE take 2 bytes per token.
 _INT16_MAX_VOCAB = 2**15
+# The largest BPE the data trains: language models' vocabularies stay below about 256k ids; beyond
+# that the embedding and head (vocab x d_model each) outgrow the model, and a corpus of at most
+# 64 MiB of training text cannot supply the merges.
+MAX_BPE_VOCAB = 2**18
 # Bump when the BPE recipe below changes, so cached BPE models are not reused.
 BPE_VERSION = 1
 # The BPE is trained on at most this many bytes of the training split, taken as evenly spaced
@@ -233,6 +237,12 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
             raise ValueError(
                 f"data.tokenizer={spec!r} is not a BPE the data can train; write 'bpe:<vocab size>' "
                 "with a vocabulary above the 256 byte values, e.g. 'bpe:4096'."
+            )
+        if int(match[1]) > MAX_BPE_VOCAB:
+            raise ValueError(
+                f"data.tokenizer={spec!r} asks for more token ids than the largest BPE the data "
+                f"trains ({MAX_BPE_VOCAB:,}): an embedding and head that large dwarf the model, and "
+                "the training text cannot fill it; use e.g. 'bpe:4096' (or up to 'bpe:65536')."
             )
         return "bpe", int(match[1])
     return "file", None

@@ -67,15 +67,52 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
     return found
 
 
+def metrics_rows(metrics_csv: Path) -> list[tuple[int, dict[str, str]]]:
+    """The rows of a CSVLogger file with their line numbers; one sentence if it is damaged (a row
+    with more cells than the header, bytes that are not text)."""
+    try:
+        with open(metrics_csv, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = [(reader.line_num, row) for row in reader]
+    except (csv.Error, UnicodeDecodeError) as error:
+        raise _damaged(metrics_csv, f"it cannot be read as CSV ({error})") from None
+    for line, row in rows:
+        if None in row:
+            raise _damaged(metrics_csv, f"line {line} has more cells than the header")
+    return rows
+
+
+def metric_number(value: str, metrics_csv: Path, line: int, key: str) -> float:
+    """A cell of a CSVLogger file as a number; one sentence naming the cell if it is not one."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise _damaged(metrics_csv, f"line {line} has {key}={value!r}, which is not a number") from None
+
+
+def metric_step(value: str | None, metrics_csv: Path, line: int) -> int:
+    """The step column of a CSVLogger row (empty: 0); one sentence if it is not a step."""
+    step = metric_number(value or 0, metrics_csv, line, "step")
+    if not (0 <= step < math.inf and step == int(step)):
+        raise _damaged(metrics_csv, f"line {line} has step={value!r}, which is not a step")
+    return int(step)
+
+
+def _damaged(metrics_csv: Path, problem: str) -> ValueError:
+    return ValueError(
+        f"The metrics file {metrics_csv} is damaged: {problem}; restore it from a copy, or leave "
+        "this run out."
+    )
+
+
 def _columns(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
     """Each metric's (step, value) pairs, in file order, empty cells skipped."""
     columns: dict[str, list[tuple[int, float]]] = {}
-    with open(metrics_csv, newline="") as f:
-        for row in csv.DictReader(f):
-            step = int(float(row.get("step") or 0))
-            for key, value in row.items():
-                if key != "step" and value not in ("", None):
-                    columns.setdefault(key, []).append((step, float(value)))
+    for line, row in metrics_rows(metrics_csv):
+        step = metric_step(row.get("step"), metrics_csv, line)
+        for key, value in row.items():
+            if key != "step" and value not in ("", None):
+                columns.setdefault(key, []).append((step, metric_number(value, metrics_csv, line, key)))
     return columns
 
 
@@ -90,8 +127,23 @@ def _checkpoint_totals(run_dir: Path) -> dict[str, float]:
     accounting = state.get("FlopAccounting")
     if not accounting:
         return {}
-    return {"flops/total": 3.0 * accounting["forward_flops"], "flops/tokens": float(accounting["tokens"]),
-            "steps": float(accounting.get("steps", 0))}
+    totals = _flop_totals(accounting, ckpt)
+    return {"flops/total": 3.0 * totals["forward_flops"], "flops/tokens": totals["tokens"],
+            "steps": totals["steps"]}
+
+
+def _flop_totals(accounting: object, ckpt: Path) -> dict[str, float]:
+    """FlopAccounting's saved totals as numbers; one sentence if they are damaged."""
+    totals = {}
+    for key, default in (("forward_flops", None), ("tokens", None), ("steps", 0)):
+        value = accounting.get(key, default) if isinstance(accounting, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(
+                f"The FLOP totals in {ckpt} are damaged (FlopAccounting's {key} is {value!r}, not a "
+                "count); restore the checkpoint, or leave the run out."
+            )
+        totals[key] = float(value)
+    return totals
 
 
 def _hparams(run_dir: Path) -> dict:
@@ -101,9 +153,15 @@ def _hparams(run_dir: Path) -> dict:
     import yaml
 
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        settings = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError:
         return {}
+    if not isinstance(settings, dict):
+        raise ValueError(
+            f"{path} holds a {type(settings).__name__}, not the mapping of settings a run writes; "
+            "restore it, or remove it to compare the run without its residual and router."
+        )
+    return settings
 
 
 def _label(run_dir: Path, runs: list[Path]) -> str:

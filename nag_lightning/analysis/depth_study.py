@@ -29,7 +29,14 @@ import math
 import statistics
 from pathlib import Path
 
-from nag_lightning.analysis.study import RESIDUALS, check_recipe, run_name, run_one, write_csv
+from nag_lightning.analysis.study import (
+    RESIDUALS,
+    check_recipe,
+    check_study_options,
+    run_name,
+    run_one,
+    write_csv,
+)
 from nag_lightning.plotting import pyplot, save
 
 COLORS = {"prenorm": "tab:gray", "nag": "tab:blue", "lns": "tab:orange", "periln": "tab:green",
@@ -273,6 +280,7 @@ def depth_study(
             call a residual or router class path outside the registered plugins (your own
             --residuals or extra options); only for run folders whose origin you trust.
     """
+    check_study_options(depths=depths, seeds=seeds, residuals=residuals)
     check_recipe(recipe)
     if not isinstance(lrs, dict):
         lrs = {residual: list(lrs) for residual in residuals} if lrs else {}

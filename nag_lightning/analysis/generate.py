@@ -23,11 +23,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from nag_lightning.analysis.checks import check_device, check_seed
 from nag_lightning.flops import mod_rate
 from nag_lightning.inference import Continuation, Sampling, generate_cached, sample
 from nag_lightning.model import Transformer
 from nag_lightning.routers import Route
 from nag_lightning.tokenizer import BYTES, StreamDecoder, Tokenizer
+
+MAX_NEW_TOKENS = 1_000_000
+"""The most tokens `generate` continues a prompt by: beyond the model's context it keeps going
+from a sliding window of it, so any length is possible, but a million tokens already take minutes
+to hours on a CPU, and a larger count is a mistyped one."""
 
 
 @dataclass
@@ -168,7 +174,8 @@ def generate(
         ckpt_path: a .ckpt file written by `nag-lightning fit`.
         prompt: text to continue (encoded with the checkpoint's tokenizer), or a list of texts
             continued as one batch (then a list of results).
-        max_new_tokens: most tokens to generate per prompt (bytes, for a byte-level model).
+        max_new_tokens: most tokens to generate per prompt (bytes, for a byte-level model), at
+            most MAX_NEW_TOKENS (a million).
         temperature: 0 for greedy decoding, else the softmax temperature of sampling.
         top_k: sample among the top_k most likely tokens only (0: all); ignored when greedy.
         seed: seed of the sampler (prompt i of a list samples with seed + i).
@@ -187,9 +194,10 @@ def generate(
     """
     from nag_lightning.checkpoint import load_transformer_and_tokenizer
 
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    check_generate_options(texts, max_new_tokens, device, seed)
     # without Lightning: starts at once
     model, _, tokenizer = load_transformer_and_tokenizer(ckpt_path, device, trust_checkpoint)
-    texts = [prompt] if isinstance(prompt, str) else list(prompt)
     prompts = [tokenizer.encode(text.encode("utf-8")).tolist() for text in texts]
     stop_bytes = None if stop is None else stop.encode("utf-8")
     decoders = [StreamDecoder(tokenizer) for _ in texts]
@@ -234,6 +242,20 @@ def generate(
     return results[0] if isinstance(prompt, str) else results
 
 
+def check_generate_options(texts: list[str], max_new_tokens: int, device: str, seed: int) -> None:
+    """One sentence for an option of `generate` it cannot run with, before the checkpoint is read."""
+    if not texts or any(text == "" for text in texts):
+        raise ValueError("A prompt is empty; give at least one character to continue (--prompt 'def ').")
+    if not 0 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(
+            f"--max_new_tokens={max_new_tokens} is not a number of tokens generate continues a "
+            f"prompt by; give one from 0 to {MAX_NEW_TOKENS:,}."
+        )
+    check_device(device)
+    check_seed(seed)
+    check_seed(seed + len(texts) - 1, "--seed plus the prompts after the first")  # seed + i
+
+
 def report(result: Generation, show_routing: bool) -> None:
     """Print the sublayers executed per generated token and the size of the KV cache."""
     if show_routing:
@@ -259,12 +281,14 @@ def generate_command(args: list[str]) -> None:
     options = parser.parse_args(args).as_dict()
     stream = options.pop("stream") and isinstance(options["prompt"], str)
 
+    echoed = []
+
     def show(_: int, text: str) -> None:
+        if not echoed:  # the prompt, once the options and the checkpoint are known to be good
+            echoed.append(sys.stdout.write(options["prompt"]))
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    if stream:
-        print(options["prompt"], end="", flush=True)
     result = generate(**options, on_text=show if stream else None)
     for i, one in enumerate([result] if isinstance(result, Generation) else result):
         if stream:

@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from nag_lightning.analysis.compare import COLUMNS, summarize
-from nag_lightning.analysis.study import check_recipe, fit_run
+from nag_lightning.analysis.study import check_recipe, check_study_options, fit_run
 from nag_lightning.plotting import pyplot, save
 
 DEFAULT_RECIPES = [
@@ -117,6 +117,7 @@ def isoflop_study(
         seeds: seeds per recipe; at least 2 before drawing a conclusion.
         extra: further `fit` arguments passed to every run, e.g. ["--trainer.max_steps=100"].
     """
+    check_study_options(seeds=seeds, recipes=recipes)
     for recipe in recipes:
         check_recipe(recipe)
     paths = [Path(r) for r in recipes]

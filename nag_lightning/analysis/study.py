@@ -29,11 +29,13 @@ def run_name(residual: str, depth: int, seed: int, lr: float | None = None) -> s
 
 def final_val_bpb(metrics_csv: Path) -> tuple[float, int]:
     """The last logged validation bits per byte and its step, from a CSVLogger file."""
+    from nag_lightning.analysis.compare import metric_number, metric_step, metrics_rows
+
     last = None
-    with metrics_csv.open() as handle:
-        for row in csv.DictReader(handle):
-            if row.get("val/bpb"):
-                last = (float(row["val/bpb"]), int(row["step"]))
+    for line, row in metrics_rows(metrics_csv):
+        if row.get("val/bpb"):
+            last = (metric_number(row["val/bpb"], metrics_csv, line, "val/bpb"),
+                    metric_step(row.get("step"), metrics_csv, line))
     if last is None:
         raise ValueError(f"{metrics_csv} holds no val/bpb; did the run reach a validation?")
     return last
@@ -77,6 +79,23 @@ def markdown_table(head: list[str], rows: list[list[str]]) -> str:
     """A markdown table of the cells in `rows` under `head`."""
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows]) + "\n"
+
+
+def check_study_options(depths: list[int] | None = None, seeds: list[int] | None = None,
+                        residuals: list[str] | None = None, **lists: list | None) -> None:
+    """One sentence for a study option no run can be trained with, before any run: an empty list,
+    a depth below one block, a seed the runs cannot take, a residual strategy that is neither
+    registered nor a class path (its name also names the run's folder)."""
+    from nag_lightning.analysis.checks import check_not_empty
+    from nag_lightning.residuals import RESIDUALS as REGISTRY
+
+    check_not_empty(depths=depths, seeds=seeds, residuals=residuals, **lists)
+    for residual in residuals or []:
+        REGISTRY.get(residual)  # an unknown name fails with the registered ones listed
+    if depths is not None and any(depth < 1 for depth in depths):
+        raise ValueError(f"Every depth in --depths is a number of blocks, at least 1; got {depths}.")
+    if seeds is not None and any(not 0 <= seed < 2**32 for seed in seeds):
+        raise ValueError(f"Every seed in --seeds must be from 0 to {2**32 - 1} (numpy's); got {seeds}.")
 
 
 def check_recipe(recipe: str) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from nag_lightning.analysis.checks import check_at_least_one, check_device, check_not_empty, check_seed
 from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, load_checkpoint
 from nag_lightning.analysis.probes import attach_sweep_routers, fit_probes
 from nag_lightning.analysis.sweep_report import ORACLE, SweepRow, plot, report, write_csv
@@ -184,6 +185,9 @@ def sweep(
             {predictor: angle}: skip on the angle NAG's gate plans, with no probe to fit (the
             threshold router's options, docs/routing.md). Only for such models.
     """
+    check_sweep_options(val_batches=val_batches, fit_batches=fit_batches, fit_lr=fit_lr, device=device,
+                        seed=seed, values=values, taus=taus, capacities=capacities,
+                        route_kinds=route_kinds)
     module = load_checkpoint(ckpt_path, device, trust_checkpoint)
     data = checkpoint_data(module, ckpt_path, source=source, cache_dir=cache_dir,
                            batch_size=batch_size, max_bytes=max_bytes)
@@ -200,6 +204,17 @@ def sweep(
     as_trained = () if kind.sweep_baseline is None else (kind.sweep_baseline,)
     return {"csv": write_csv(rows, out / "sweep.csv"),
             "png": plot(rows, out / "sweep.png", title, trained_routed, as_trained, kind.sweep_labels)}
+
+
+def check_sweep_options(val_batches: int, fit_batches: int, fit_lr: float, device: str, seed: int,
+                        **lists: list | None) -> None:
+    """One sentence for an option of `sweep` it cannot run with, before the checkpoint is read."""
+    check_at_least_one(val_batches=val_batches, fit_batches=fit_batches)
+    if not fit_lr > 0:
+        raise ValueError(f"--fit_lr={fit_lr} is not a learning rate; give a positive one (e.g. 1e-2).")
+    check_not_empty(**lists)
+    check_device(device)
+    check_seed(seed)
 
 
 def _name(spec: object) -> str:

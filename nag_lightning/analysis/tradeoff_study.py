@@ -17,7 +17,8 @@ import json
 import statistics
 from pathlib import Path
 
-from nag_lightning.analysis.study import RESIDUALS, run_name, run_one
+from nag_lightning.analysis.checks import check_at_least_one
+from nag_lightning.analysis.study import RESIDUALS, check_study_options, run_name, run_one
 from nag_lightning.analysis.sweep_report import ORACLE
 from nag_lightning.plotting import pyplot, save
 
@@ -152,6 +153,8 @@ def tradeoff_study(
             {predictor: angle}} to skip on NAG's own gated angle instead of a fitted probe. Sweeps
             are cached by run name in `out`: give another `out` when these change.
     """
+    check_study_options(seeds=seeds, residuals=residuals)
+    check_at_least_one(depth=depth, val_batches=val_batches, fit_batches=fit_batches)
     out_dir = Path(out)
     curves = {}
     for seed in seeds:

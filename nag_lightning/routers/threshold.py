@@ -143,10 +143,11 @@ class ThresholdRouter(Router):
             raise ValueError(f"router_options.tau_gain must be positive; got {tau_gain}.")
         if warmup_steps < 0:
             raise ValueError(f"router_options.warmup_steps must be 0 or more; got {warmup_steps}.")
-        self.target_rate = target_rate
-        self.tau_gain = tau_gain
-        self.tau_average = tau_average
-        self.calibration = calibration
+        # floats: a YAML `0` or `1` arrives as an int, and int tensor maths overflows (target 0)
+        self.target_rate = None if target_rate is None else float(target_rate)
+        self.tau_gain = float(tau_gain)
+        self.tau_average = float(tau_average)
+        self.calibration = float(calibration)
         self.warmup_steps = warmup_steps
         self.predictor = predictor
         self.reads_planned_angle = predictor == "angle"

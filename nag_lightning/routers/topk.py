@@ -69,7 +69,7 @@ class TopKRouter(Router):
             raise ValueError(
                 f"router_options.eval_routing must be one of {EVAL_ROUTING}; got {eval_routing!r}."
             )
-        self.capacity = capacity
+        self.capacity = float(capacity)
         self.predictor_hidden = predictor_hidden
         self.eval_routing = eval_routing
         self.score = nn.Linear(d_model, 1, bias=False)
@@ -140,6 +140,11 @@ class TopKRouter(Router):
     @contextmanager
     def sweeping(self, value: float) -> Iterator[None]:
         """Evaluate with the exact (non-causal) top-k at capacity `value`: analysis only."""
+        if not 0 < value <= 1:
+            raise ValueError(
+                f"A top-k capacity is the fraction of tokens that run each routed sublayer, in (0, 1]; "
+                f"got {value}: sweep values in that range."
+            )
         trained = self.capacity, self.eval_routing
         self.capacity, self.eval_routing = value, "topk"
         try:
