@@ -138,6 +138,56 @@ def test_bpe_training_reads_an_evenly_spread_sample():
     assert tokenizers.sample_pieces([("big", 0, 1000)], 300) == [("big", 0, 300)]
 
 
+def test_the_bpe_round_trips_any_bytes_with_tokens_as_long_as_their_bytes():
+    latin1 = text(120, 3).encode("latin-1", errors="replace") + bytes(range(256))
+    noise = torch.randint(0, 256, (5000,), generator=torch.Generator().manual_seed(0))
+    noise = bytes(noise.tolist())
+    from_bytes = HFTokenizer(tokenizers.train_bpe([latin1], 300), "bpe:300")
+    from_text = HFTokenizer(tokenizers.train_bpe([text(100, 2)], 300), "bpe:300")
+    for tok in (from_bytes, from_text):
+        for raw in (latin1, noise, b"caf\xe9\n\xed\xb2\x80\xff", text(20, 1).encode()):
+            ids = tok.encode(raw)
+            assert tok.decode(ids.tolist()) == raw
+            assert int(tok.byte_lengths[ids.long()].sum()) == len(raw)
+    # trained on the Latin-1 bytes themselves, not on the UTF-8 of U+FFFD standing for them
+    merged = [t for t in from_bytes.token_bytes if len(t) > 1]
+    assert b"\xe9" in latin1 and not [t for t in merged if b"\xef\xbf" in t]
+
+
+def test_bytes_train_the_same_merges_as_their_text_and_encode_to_the_same_ids():
+    raw = text(150, 4).encode()
+    from_text = tokenizers.train_bpe([raw.decode()], 320)
+    assert tokenizers.train_bpe([raw], 320) == from_text
+    tok = HFTokenizer(from_text, "bpe:320")
+    words = tokenizers.byte_words(tok.hf.pre_tokenizer, raw)
+    by_words = tok._by_words.encode(words, is_pretokenized=True, add_special_tokens=False).ids
+    assert by_words == tok.encode(raw).tolist()
+
+
+def test_a_tokenizer_that_is_not_byte_level_reads_stray_bytes_as_replacement_characters():
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers
+
+    hf = HF(models.WordLevel({"caf": 0, "\ufffd": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Split(pattern="caf", behavior="isolated")
+    tok = HFTokenizer(hf.to_str(), "words")
+    assert tok.encode(b"caf\xe9caf").tolist() == [0, 1, 0]
+
+
+def test_prepare_on_a_latin1_corpus_reports_token_bytes_equal_to_its_bytes(tmp_path, recwarn):
+    folder = tmp_path / "latin1"
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"f{i}.txt").write_bytes(text(150, i).encode("latin-1", errors="replace"))
+    root = prepare_corpus(str(folder), tmp_path / "cache", tokenizer="bpe:300")
+    coverage = json.loads((root / "meta.json").read_text())["coverage"]
+    assert coverage["token_bytes"] == coverage["bytes"] > 1000
+    assert not [w for w in recwarn if "stand for" in str(w.message)]
+    tok = load_tokenizer("bpe:300", str(folder), tmp_path / "cache")
+    train = [f.read_bytes()[: cut(f.read_bytes())] for f in sorted(folder.iterdir())]
+    assert tok.decode(stream(root / "train")) == b"".join(train)
+
+
 # ---- bits per byte ----------------------------------------------------------------------------------
 
 
