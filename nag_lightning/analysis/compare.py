@@ -90,7 +90,8 @@ def _checkpoint_totals(run_dir: Path) -> dict[str, float]:
     accounting = state.get("FlopAccounting")
     if not accounting:
         return {}
-    return {"flops/total": 3.0 * accounting["forward_flops"], "flops/tokens": float(accounting["tokens"]),
+    total = accounting.get("training_flops", 3.0 * accounting["forward_flops"])  # older: 3 x forward
+    return {"flops/total": float(total), "flops/tokens": float(accounting["tokens"]),
             "steps": float(accounting.get("steps", 0))}
 
 

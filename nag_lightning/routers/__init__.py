@@ -123,6 +123,12 @@ class Router(nn.Module):
         in evaluation what runs there. Count matrix products only, as `nag_lightning.flops` does."""
         return 0
 
+    def backward_flops_per_token(self) -> int:
+        """Backward FLOPs the router spends per token it scores in a training pass: by default two
+        matrix products per forward one (the input's gradient and the weights'). A part that reads
+        a detached input has no input gradient, so it costs one; one that nothing trains, none."""
+        return 2 * self.flops_per_token()
+
     def stats(self) -> dict[str, float]:
         """Router-specific numbers to log (auxiliary losses, predictor accuracy, thresholds)."""
         return {}

@@ -340,6 +340,11 @@ class ThresholdRouter(Router):
             return 0
         return (2 if self.training else 1) * 2 * self.d_model
 
+    def backward_flops_per_token(self) -> int:
+        """The probe's weight gradient from the loss of `observe`'s run: it reads a detached input
+        (no input gradient), and the routing run's prediction is used detached."""
+        return 0 if self.predictor == "angle" else 2 * self.d_model
+
     def stats(self) -> dict[str, float]:
         """tau, the probe's MSE and the mean predicted and measured angle of executed tokens."""
         return {k: v.item() for k, v in self._stats.items()}
