@@ -509,9 +509,16 @@ def test_angle_predictor_skips_where_the_residuals_angle_is_below_tau():
 
 @pytest.mark.parametrize("residual,options", [("prenorm", {}), ("nag", {"angle": "magnitude"})])
 def test_angle_predictor_needs_a_residual_that_knows_its_angle_in_advance(residual, options):
-    model = tiny(residual, "threshold", router_options={"predictor": "angle"}, residual_options=options)
-    with pytest.raises(ValueError, match="predictor 'angle' reads the angle the residual strategy knows"):
-        model(tokens())
+    # refused when the model is built, not at its first forward
+    with pytest.raises(ValueError, match=f"predictor 'angle' reads the angle .* residual '{residual}' "
+                                         "with these options plans none"):
+        tiny(residual, "threshold", router_options={"predictor": "angle"}, residual_options=options)
+    # and when a sweep attaches such routers to a model trained without any
+    from nag_lightning.analysis.probes import attach_sweep_routers
+
+    model = tiny(residual, "none", residual_options=options)
+    with pytest.raises(ValueError, match="plans none"):
+        attach_sweep_routers(model, ["attn", "mlp"], 2, {"predictor": "angle"})
     with pytest.raises(ValueError, match="predictor must be one of"):
         tiny("nag", "threshold", router_options={"predictor": "gate"})
 
