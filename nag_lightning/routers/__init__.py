@@ -133,6 +133,11 @@ class Router(nn.Module):
         """Router-specific numbers to log (auxiliary losses, predictor accuracy, thresholds)."""
         return {}
 
+    def evaluation_note(self) -> str | None:
+        """A sentence for the logs when evaluation's routing cannot be trusted yet in the router's
+        current state (a threshold still settling), or None (the default)."""
+        return None
+
     # ---- post-training sweep ------------------------------------------------------------------
 
     @contextmanager
