@@ -240,7 +240,7 @@ def fit(corpus: Path, cache: Path, *extra: str) -> list[str]:
 
 
 def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
-    corpus, tmp_path, capsys, monkeypatch
+    corpus, tmp_path, capsysbinary, monkeypatch  # generate writes bytes, as generated
 ):
     monkeypatch.chdir(tmp_path)
 
@@ -249,7 +249,7 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
 
     monkeypatch.setattr(socket.socket, "connect", no_network)
     cache = tmp_path / "fresh_cache"  # a fresh machine: no BPE, no chunks
-    status, _, err = run_cli(fit(corpus, cache, "--data.tokenizer=bpe:300"), capsys)
+    status, _, err = run_cli(fit(corpus, cache, "--data.tokenizer=bpe:300"), capsysbinary)
     assert status == 0, err[-3000:]
     [ckpt] = tmp_path.rglob("last.ckpt")
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)
@@ -260,7 +260,7 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
     assert "val/bpb" in metrics and "val/loss_per_token" in metrics and "train/bpb" in metrics
 
     status, out, err = run_cli(["generate", "--ckpt_path", str(ckpt), "--prompt", "café ",
-                                "--max_new_tokens", "5", "--show_routing", "true"], capsys)
+                                "--max_new_tokens", "5", "--show_routing", "true"], capsysbinary)
     assert status == 0, err[-3000:]
     assert out.startswith("café ") and "per generated token" in out
     assert out.count(" sublayers\n") == 5
@@ -279,7 +279,7 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
     assert float(row["bpb"]) == pytest.approx(float(row["val_loss"]) / math.log(2) / bytes_per_token)
 
     # resuming on other tokens is refused in one sentence
-    status, _, err = run_cli(fit(corpus, cache, "--trainer.max_steps=4", f"--ckpt_path={ckpt}"), capsys)
+    status, _, err = run_cli(fit(corpus, cache, "--trainer.max_steps=4", f"--ckpt_path={ckpt}"), capsysbinary)
     assert status == 1
     assert "The checkpoint was trained on tokens of data.tokenizer='bpe:300' (300 ids), but this " \
            "run's data uses data.tokenizer='bytes'" in err
