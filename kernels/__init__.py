@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from .reference import BOUNDS, EPS, nag_write_reference
+from .reference import BOUNDS, nag_write_reference, tangent_cutoff
 
 __all__ = [
-    "BACKENDS", "BOUNDS", "EPS", "nag_write", "nag_write_backward_op", "nag_write_op", "nag_write_reference",
+    "BACKENDS", "BOUNDS", "nag_write", "nag_write_backward_op", "nag_write_op", "nag_write_reference",
+    "tangent_cutoff",
 ]
 
 BACKENDS = ("auto", "triton", "torch")
@@ -83,7 +84,8 @@ def nag_write(
         bound: how theta is bounded to theta_max, one of BOUNDS ("tanh", "rational").
         angle: the angle each row turns by, shape broadcastable to (...,), given instead of
             bound(g alpha |f_perp| / sqrt(d)) (the gated NAG); alpha and bound are then unused,
-            g scales only the update of rho, and rows with |f_perp| <= EPS do not turn.
+            g scales only the update of rho, and rows whose f_perp is rounding noise (|f_perp| <=
+            tangent_cutoff(f.dtype) |f|, f parallel to u or zero) do not turn and report theta 0.
 
     Returns:
         (u_new, rho_new, theta, h_next): u_new, h_next (None without gamma_next) in u.dtype;

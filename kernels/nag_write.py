@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import EPS
+from .reference import tangent_cutoff
 
 MAX_FUSED_SIZE = 65536
 """Largest d a row can have: the whole row is held in registers (spilling well before this)."""
@@ -86,12 +86,13 @@ def _row_scale(f):
 
 
 @triton.jit
-def _recompute_row(u, f, g, alpha, theta_in, inv_sqrt_d, theta_max, eps, RATIONAL: tl.constexpr,
+def _recompute_row(u, f, g, alpha, theta_in, inv_sqrt_d, theta_max, cutoff, RATIONAL: tl.constexpr,
                    GIVEN: tl.constexpr):
     """The forward of one row up to the renormalisation; shared by both kernels. Works on
     f_hat = f / m (m = _row_scale(f)): a = m a_hat, n = m n_hat, and raw takes s_hat f_perp_hat,
-    which is s f_perp with s = sin(theta) / n. With GIVEN, theta is theta_in (the gated angle)
-    and there is no turn where n <= eps."""
+    which is s f_perp with s = sin(theta) / n. `big` is false where f is too small to turn (the
+    reference's `too_small_to_turn`, relative to |f_hat|). With GIVEN, theta is theta_in (the
+    gated angle) where big, else 0: no turn, and the theta reported is the one applied."""
     m = _row_scale(f)
     f_hat = f / m
     a_hat = tl.sum(f_hat * u, axis=0)
@@ -99,8 +100,9 @@ def _recompute_row(u, f, g, alpha, theta_in, inv_sqrt_d, theta_max, eps, RATIONA
     n_hat = tl.sqrt(tl.sum(f_perp_hat * f_perp_hat, axis=0))
     n = m * n_hat
     k = g * alpha * inv_sqrt_d
+    big = n_hat > cutoff * tl.maximum(tl.sqrt(a_hat * a_hat + n_hat * n_hat), 1.0)
     if GIVEN:
-        theta = theta_in
+        theta = tl.where(big, theta_in, 0.0)
     elif RATIONAL:
         # the reference's two forms: exact for small |x|, |theta| <= theta_max for large
         x = k * n
@@ -111,7 +113,6 @@ def _recompute_row(u, f, g, alpha, theta_in, inv_sqrt_d, theta_max, eps, RATIONA
         theta = theta_max * _tanh(k * n / theta_max)
     cos_t = tl.cos(theta)
     sin_t = tl.sin(theta)
-    big = n > eps
     n_hat_safe = tl.where(big, n_hat, 1.0)
     if GIVEN:
         s_hat = tl.where(big, sin_t / n_hat_safe, 0.0)
@@ -121,14 +122,15 @@ def _recompute_row(u, f, g, alpha, theta_in, inv_sqrt_d, theta_max, eps, RATIONA
     norm_u = tl.sqrt(tl.sum(u * u, axis=0))
     norm_raw = tl.sqrt(tl.sum(raw * raw, axis=0))
     norm_raw_safe = tl.where(norm_raw > 0.0, norm_raw, 1.0)
-    return m, f_hat, a_hat, f_perp_hat, n_hat, n, k, theta, cos_t, sin_t, s_hat, raw, norm_u, norm_raw_safe
+    return (m, f_hat, a_hat, f_perp_hat, n_hat, n, k, big, theta, cos_t, sin_t, s_hat, raw, norm_u,
+            norm_raw_safe)
 
 
 @triton.jit
 def _nag_write_fwd_kernel(
     U, F, RHO, G, ALPHA, BETA, GAMMA, ANGLE,  # inputs
     U_OUT, RHO_OUT, THETA_OUT, H_OUT,  # outputs
-    n_cols, inv_sqrt_d, sqrt_d, theta_max, eps,
+    n_cols, inv_sqrt_d, sqrt_d, theta_max, cutoff,
     HAS_G: tl.constexpr, HAS_GAMMA: tl.constexpr, RATIONAL: tl.constexpr, GIVEN: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
@@ -150,8 +152,8 @@ def _nag_write_fwd_kernel(
     else:
         theta_in = 0.0
 
-    m, f_hat, a_hat, f_perp_hat, n_hat, n, k, theta, cos_t, sin_t, s_hat, raw, norm_u, norm_raw_safe = (
-        _recompute_row(u, f, g, alpha, theta_in, inv_sqrt_d, theta_max, eps, RATIONAL, GIVEN)
+    m, f_hat, a_hat, f_perp_hat, n_hat, n, k, big, theta, cos_t, sin_t, s_hat, raw, norm_u, norm_raw_safe = (
+        _recompute_row(u, f, g, alpha, theta_in, inv_sqrt_d, theta_max, cutoff, RATIONAL, GIVEN)
     )
     u_new = raw * (norm_u / norm_raw_safe)
     tl.store(U_OUT + offs, u_new.to(U_OUT.dtype.element_ty), mask=mask)
@@ -169,7 +171,7 @@ def _nag_write_bwd_kernel(
     U, F, G, ALPHA, BETA, GAMMA, ANGLE,  # saved inputs
     GU_NEW, GRHO_NEW, GTHETA, GH,  # incoming gradients
     DU, DF, DG, DALPHA, DBETA, DGAMMA, DANGLE,  # DG, DANGLE per row; DALPHA, DBETA, DGAMMA per program
-    n_rows, n_cols, rows_per_program, inv_sqrt_d, sqrt_d, theta_max, eps,
+    n_rows, n_cols, rows_per_program, inv_sqrt_d, sqrt_d, theta_max, cutoff,
     HAS_G: tl.constexpr, HAS_GAMMA: tl.constexpr, RATIONAL: tl.constexpr, GIVEN: tl.constexpr,
     HAS_GU: tl.constexpr, HAS_GRHO: tl.constexpr, HAS_GTHETA: tl.constexpr, HAS_GH: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -200,9 +202,9 @@ def _nag_write_bwd_kernel(
             theta_in = tl.load(ANGLE + row).to(tl.float32)
         else:
             theta_in = 0.0
-        m, f_hat, a_hat, f_perp_hat, n_hat, n, k, theta, cos_t, sin_t, s_hat, raw, norm_u, norm_raw_safe = (
-            _recompute_row(u, f, g, alpha, theta_in, inv_sqrt_d, theta_max, eps, RATIONAL, GIVEN)
-        )
+        (m, f_hat, a_hat, f_perp_hat, n_hat, n, k, big, theta, cos_t, sin_t, s_hat, raw, norm_u,
+         norm_raw_safe) = _recompute_row(u, f, g, alpha, theta_in, inv_sqrt_d, theta_max, cutoff, RATIONAL,
+                                         GIVEN)
         r = norm_u / norm_raw_safe
 
         # u' = r * raw, h = sqrt(d) * u' * gamma: total gradient reaching u'.
@@ -230,16 +232,15 @@ def _nag_write_bwd_kernel(
         g_fperp = s_hat * g_raw
         du += cos_t * g_raw
 
-        # s_hat = sin(theta) / n_hat if n > eps else k m; theta = bound(k m n_hat), with
+        # s_hat = sin(theta) / n_hat where big, else k m; theta = bound(k m n_hat), with
         # dtheta/d(kn) = 1 - tanh^2 (tanh) or (1 - |theta| / theta_max)^2 (rational).
-        big = n > eps
         n_hat_safe = tl.where(big, n_hat, 1.0)
         g_theta = -sin_t * g_cos + tl.where(big, cos_t / n_hat_safe * g_s, 0.0)
         if HAS_GTHETA:
             g_theta += tl.load(GTHETA + row).to(tl.float32)
         g_n = tl.where(big, -sin_t / (n_hat_safe * n_hat_safe) * g_s, 0.0)  # d / d n_hat
         if GIVEN:  # theta is an input: nothing of it depends on k (alpha, g) or on n
-            tl.store(DANGLE + row, g_theta)
+            tl.store(DANGLE + row, tl.where(big, g_theta, 0.0))  # theta = 0 where not big
             g_k = 0.0
         else:
             g_k = tl.where(big, 0.0, g_s * m)
@@ -323,7 +324,7 @@ def nag_write_forward(u, f, rho, g, alpha, beta, theta_max, gamma_next, bound="t
         _nag_write_fwd_kernel[(n_rows,)](
             u2, f2, rho1, g1, alpha, beta, gamma, angle1,
             u_new, rho_new, theta, h_next,
-            d, 1.0 / math.sqrt(d), math.sqrt(d), float(theta_max), EPS,
+            d, 1.0 / math.sqrt(d), math.sqrt(d), float(theta_max), tangent_cutoff(f2.dtype),
             HAS_G=g1 is not None, HAS_GAMMA=gamma is not None, RATIONAL=bound == "rational",
             GIVEN=angle1 is not None, BLOCK_SIZE=block_size, num_warps=num_warps,
         )  # fmt: skip
@@ -369,7 +370,8 @@ def nag_write_backward(saved, theta_max, grads, bound="tanh"):
             u2, f2, g1, alpha, beta, gamma, angle1,
             gu, grho, gtheta, gh,
             du, df, dg, dalpha, dbeta, dgamma, dangle,
-            n_rows, d, rows_per_program, 1.0 / math.sqrt(d), math.sqrt(d), float(theta_max), EPS,
+            n_rows, d, rows_per_program, 1.0 / math.sqrt(d), math.sqrt(d), float(theta_max),
+            tangent_cutoff(f2.dtype),
             HAS_G=g1 is not None, HAS_GAMMA=gamma is not None, RATIONAL=bound == "rational",
             GIVEN=angle1 is not None,
             HAS_GU=gu is not None, HAS_GRHO=grho is not None,

@@ -13,15 +13,22 @@ lane::
     x       = g * alpha * n / sqrt(d)     unbounded rotation angle
     theta   = theta_max * tanh(x / theta_max)          bound "tanh", or
               theta_max * x / (theta_max + |x|)        bound "rational"
-    s       = sin(theta) / n              (limit g * alpha / sqrt(d) when n <= EPS)
+    s       = sin(theta) / n              (limit g * alpha / sqrt(d) when f is too small to turn)
     raw     = cos(theta) u + s f_perp
     u'      = raw * ||u|| / ||raw||       renormalised: ||u'|| = ||u|| to rounding, for any f
     rho'    = rho + g * beta * a / sqrt(d)
     h_next  = sqrt(d) * u' * gamma_next   the next sublayer's read (optional)
 
 With a given `angle` (the gated NAG, which takes its angle from a learned gate on u rather than
-from n), theta = angle per row; alpha and the bound are unused, the turn is zero where n <= EPS
-(s = 0: there is no direction to turn toward), and g scales only the radial update.
+from n), theta = angle per row; alpha and the bound are unused, and g scales only the radial
+update. Where f is too small to turn, theta = 0 (s = 0: there is no direction to turn toward), so
+the theta returned is always the turn applied.
+
+f is too small to turn where n <= tangent_cutoff(f.dtype) * max(|f / m|, 1): its tangential part
+is then within the rounding of f and of the computation, so its direction is noise (f parallel to
+u at any scale gives n of a few ulps of |f|, not 0). The cutoff is relative: a tiny f that is not
+parallel to u turns like any other (row_scale makes n / m well scaled), and only a zero or
+subnormal f is too small whatever its direction.
 
 The final renormalisation costs one extra reduction and buys two things: `||u'||` stays at 1 to
 rounding even when `f` is huge or nearly parallel to `u` (where `cos^2 + s^2 n^2 = 1` holds only
@@ -34,8 +41,19 @@ import math
 
 import torch
 
-EPS = 1e-6
-"""Below this tangential norm `n`, `sin(theta) / n` is replaced by its limit `g * alpha / sqrt(d)`."""
+
+def tangent_cutoff(dtype: torch.dtype) -> float:
+    """The largest n / |f| that is rounding noise for an f of `dtype`, computed in
+    `_compute_dtype(dtype)`: f parallel to u measured n / |f| <= 8 ulps (fp32, bf16, fp16, fp64,
+    d = 5 to 4096, |f| from 1e-30 to 1e30), so 4 ulps of f and 16 of the computation."""
+    return 4 * torch.finfo(dtype).eps + 16 * torch.finfo(_compute_dtype(dtype)).eps
+
+
+def too_small_to_turn(a_hat: torch.Tensor, n_hat: torch.Tensor, cutoff: float) -> torch.Tensor:
+    """Rows whose tangential part is rounding noise: n_hat <= cutoff * |f_hat|, with |f_hat| from
+    its radial and tangential parts. |f_hat| >= 1 but for a zero or subnormal f (row_scale), which
+    the floor of 1 takes as too small: dividing by its n_hat could overflow."""
+    return n_hat <= cutoff * torch.hypot(a_hat, n_hat).clamp_min(1.0)
 
 BOUNDS = ("tanh", "rational")
 """How the angle is bounded to (-theta_max, theta_max). Both have slope 1 at 0. tanh saturates
@@ -130,12 +148,13 @@ def nag_write_reference(
     f_perp_hat = torch.addcmul(f_hat, a_hat[..., None], u32, value=-1)  # f_hat - a_hat u, (..., d)
     n_hat = torch.linalg.vector_norm(f_perp_hat, dim=-1)  # (...,)
     a, n = m * a_hat, m * n_hat
-    # a copy of a given angle: the theta output must not alias an input (custom operators forbid it)
-    theta = bound_angle(k * n, theta_max, bound) if angle is None else angle.to(ct, copy=True)
+    small = too_small_to_turn(a_hat, n_hat, tangent_cutoff(f.dtype))
+    # a given angle turns only where f has a direction to turn toward (where() also makes a copy:
+    # the theta output must not alias an input, which custom operators forbid)
+    theta = bound_angle(k * n, theta_max, bound) if angle is None else torch.where(small, 0.0, angle.to(ct))
 
     # Divide by n only where it is safe; the where() on n itself keeps NaN out of the gradients.
     # s_hat = sin(theta) / n_hat multiplies f_perp / m: the same term as sin(theta) / n times f_perp.
-    small = n <= EPS
     n_hat_safe = torch.where(small, torch.ones_like(n_hat), n_hat)
     limit = k * m if angle is None else torch.zeros_like(n)
     s_hat = torch.where(small, limit, torch.sin(theta) / n_hat_safe)

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from .reference import EPS, _compute_dtype, bound_angle, row_scale
+from .reference import _compute_dtype, bound_angle, row_scale, tangent_cutoff, too_small_to_turn
 
 
 def nag_write_reference_backward(
@@ -54,9 +54,9 @@ def nag_write_reference_backward(
         p = torch.addcmul(f32 * (1 / m)[..., None], a_hat[..., None], u32, value=-1)
     n = m * n_hat
     given = angle is not None
-    theta = angle.to(ct) if given else bound_angle(k * n, theta_max, bound)
+    big = ~too_small_to_turn(a_hat, n_hat, tangent_cutoff(f.dtype))
+    theta = torch.where(big, angle.to(ct), 0.0) if given else bound_angle(k * n, theta_max, bound)
     c, s = torch.cos(theta), torch.sin(theta)
-    big = n > EPS
     n_hat_safe = torch.where(big, n_hat, 1.0)
     s_hat = torch.where(big, s / n_hat_safe, 0.0 if given else k * m)
     uu, pu, pp = norm_u.square(), _dot(p, u32), n_hat.square()
@@ -87,7 +87,7 @@ def nag_write_reference_backward(
     g_cos = r * Gu - k1 * (c * uu + s_hat * pu)  # <g_raw, u>
     g_s = r * Gp - k1 * (c * pu + s_hat * pp)  # <g_raw, p>
 
-    # s_hat = sin(theta) / n_hat if n > EPS else k m; theta = bound(k m n_hat).
+    # s_hat = sin(theta) / n_hat where big, else k m; theta = bound(k m n_hat).
     g_theta = -s * g_cos + torch.where(big, c / n_hat_safe * g_s, 0.0)
     if grad_theta is not None:
         g_theta = g_theta + grad_theta.to(ct)
@@ -130,7 +130,7 @@ def nag_write_reference_backward(
         du.to(u.dtype), df.to(f.dtype), None if g is None else g_g.to(g.dtype),
         dalpha.to(alpha.dtype).reshape(alpha.shape), dbeta.to(beta.dtype).reshape(beta.shape),
         None if dgamma is None else dgamma.to(gamma_next.dtype),
-        g_theta.to(angle.dtype) if given else None,
+        torch.where(big, g_theta, 0.0).to(angle.dtype) if given else None,  # theta = 0 where not big
     )  # fmt: skip
 
 

@@ -31,7 +31,7 @@ import sys
 import sysconfig
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -370,7 +370,7 @@ def prepare_corpus(
         return ready if _is_remote(ready) else Path(ready)
     files, splits, sizes, max_bytes = _plan(source, val_fraction, max_bytes, seq_len)
     tok = _corpus_tokenizer(tokenizer, files, splits, val_fraction, max_bytes, cache_dir)
-    key = None if tok.key == tokenizers.BYTES else tok.key
+    key = None if tok.key == tokenizers.BYTES else f"{tok.key}-{tokenizers.ENCODE_VERSION}"
     target = Path(cache_dir).expanduser().resolve() / _corpus_hash(files, val_fraction, max_bytes, key)
     if (target / _META).is_file():
         return target
@@ -472,8 +472,12 @@ def _corpus_tokenizer(
 def _train_bpe(pieces: list[tuple[str, int, int]], vocab_size: int, out: Path) -> None:
     """Train the BPE on `pieces` and write its tokenizer.json (in a child process, see `_in_child`:
     the trainer's thread pool would otherwise make every later fork of this process warn)."""
-    texts = (data.decode("utf-8", errors="replace") for data in tokenizers.read_pieces(pieces))
-    out.write_text(tokenizers.train_bpe(texts, vocab_size), encoding="utf-8")
+    texts: Iterable[str] | Iterable[bytes] = (data.decode("utf-8") for data in tokenizers.read_pieces(pieces))
+    try:
+        json_text = tokenizers.train_bpe(texts, vocab_size)
+    except UnicodeDecodeError:  # not all UTF-8: train on the bytes as they are (slower)
+        json_text = tokenizers.train_bpe(tokenizers.read_pieces(pieces), vocab_size)
+    out.write_text(json_text, encoding="utf-8")
 
 
 def prepared_tokenizer(root: str, spec: str = tokenizers.BYTES) -> Tokenizer:
@@ -519,8 +523,9 @@ def _coverage(folder: Path, tokenizer: Tokenizer) -> dict[str, float]:
     if abs(found["token_bytes"] - found["bytes"]) > 0.001 * found["bytes"]:
         warnings.warn(
             f"{tokenizer.describe()} turns {found['bytes']} bytes of the corpus into tokens that stand "
-            f"for {found['token_bytes']} bytes (it normalizes text or its ids lack definite bytes), so "
-            "bits per byte counts the bytes its tokens decode to; a byte-level tokenizer avoids this.",
+            f"for {found['token_bytes']} bytes (it normalizes text, reads bytes that are not UTF-8 as "
+            "U+FFFD, or its ids lack definite bytes), so bits per byte counts the bytes its tokens "
+            "decode to; a byte-level tokenizer avoids this.",
             stacklevel=2,
         )
     return found

@@ -31,7 +31,9 @@ into a padded (B, K, K) block, K = the largest executed count in the batch.
 query-key pairs for a sequence of n executed tokens, is reported beside it as `attention_useful`,
 for who wants the algorithmic count.
 
-Training FLOPs are 3 x forward (the backward pass does two matrix products per forward one).
+Training FLOPs are 3 x forward (the backward pass does two matrix products per forward one),
+except for routers, which say what their backward costs (`Router.backward_flops_per_token`): a
+part that reads a detached input, such as top-k's causal predictor, has no input gradient.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from torch import Tensor, nn
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.routers import build_router
 
-TRAINING_MULTIPLIER = 3  # forward + backward (two matrix products per forward one)
+TRAINING_MULTIPLIER = 3  # forward + backward (two matrix products per forward one), routers aside
 
 
 def mod_rate(executed: float, tokens: float, n_sublayers: int) -> float:
@@ -96,19 +98,34 @@ def router_flops_per_token(cfg: TransformerConfig, training: bool = True) -> lis
     return [per_token if r else 0 for r in is_routed]
 
 
+def router_backward_flops_per_token(cfg: TransformerConfig) -> list[int]:
+    """What each sublayer's router spends per scored token in the backward of a training pass."""
+    is_routed = [cfg.is_routed(i) for i in range(cfg.n_sublayers)]
+    if not any(is_routed):
+        return [0] * len(is_routed)
+    per_token = build_router(cfg.router, cfg.d_model, **cfg.router_options).backward_flops_per_token()
+    return [per_token if r else 0 for r in is_routed]
+
+
 class _Constants(NamedTuple):
     """Per-sublayer constants as (L,) float64 tensors on one device."""
 
     per_token: Tensor  # projections + MLP FLOPs per executed token
     attn_coeff: Tensor  # 4·C for attention sublayers, 0 for MLPs: times K² per sequence
     router: Tensor  # router FLOPs per scored token
+    router_backward: Tensor  # router backward FLOPs per scored token of a training pass
     params: Tensor  # sublayer weights
     head: float  # LM head FLOPs per token
 
 
-def _constants(cfg: TransformerConfig, router_flops: Sequence[int], device: Any = None) -> _Constants:
+def _constants(
+    cfg: TransformerConfig, router_flops: Sequence[int], device: Any = None,
+    router_backward: Sequence[int] | None = None,
+) -> _Constants:
     kinds = _kinds(cfg)
-    if len(router_flops) != len(kinds):
+    if router_backward is None:  # two matrix products per forward one
+        router_backward = [2 * f for f in router_flops]
+    if not len(router_flops) == len(router_backward) == len(kinds):
         raise ValueError(
             f"router_flops needs one value per sublayer ({len(kinds)}); got {len(router_flops)}."
         )
@@ -117,6 +134,7 @@ def _constants(cfg: TransformerConfig, router_flops: Sequence[int], device: Any 
         per_token=as_t([_per_token(cfg, k) for k in kinds]),
         attn_coeff=as_t([4 * cfg.d_model if k == "attn" else 0 for k in kinds]),
         router=as_t(list(router_flops)),
+        router_backward=as_t(list(router_backward)),
         params=as_t([sublayer_params(cfg, k) for k in kinds]),
         head=float(head_flops_per_token(cfg)),
     )
@@ -137,11 +155,14 @@ def _terms(c: _Constants, counts: Tensor, seq_len: int) -> dict[str, Tensor]:
     full_depth = c.per_token * scored + c.attn_coeff * B * seq_len * seq_len
     layers = projections + attention + router
     head = c.head * scored
+    forward = layers.sum() + head
+    router_training = router.sum() + c.router_backward.sum() * scored  # routers say their backward
+    training = TRAINING_MULTIPLIER * (forward - router.sum()) + router_training
     return {
         "executed": executed, "projections": projections, "attention": attention,
         "attention_useful": useful, "router": router, "layers": layers, "full_depth": full_depth,
         "executed_params": c.params * executed,
-        "forward": layers.sum() + head, "head": counts.new_tensor(head),
+        "forward": forward, "training": training, "head": counts.new_tensor(head),
         "tokens": counts.new_tensor(scored), "samples": counts.new_tensor(float(B)),
     }
 
@@ -193,6 +214,7 @@ class FlopCount:
         executed_params: sum over sublayers of weights x tokens that ran them.
         layer_params: weights of all sublayers (what one token meets at full depth).
         sublayers: the per-sublayer breakdown.
+        router_backward: what the routers spend in the backward of a training pass.
     """
 
     tokens: int
@@ -204,11 +226,13 @@ class FlopCount:
     layer_params: int
     sublayers: tuple[SublayerFlops, ...]
     embedding: int = 0
+    router_backward: int = 0
 
     @property
     def training(self) -> int:
-        """Forward + backward: 3 x forward."""
-        return TRAINING_MULTIPLIER * self.forward
+        """Forward + backward: 3 x forward, but the routers' backward is their own."""
+        router = sum(s.router for s in self.sublayers)
+        return TRAINING_MULTIPLIER * (self.forward - router) + router + self.router_backward
 
     @property
     def executed_fraction(self) -> float:
@@ -244,6 +268,7 @@ def count_flops(
     executed: Tensor | Sequence[Sequence[int]],
     seq_len: int,
     router_flops: Sequence[int] | None = None,
+    router_backward: Sequence[int] | None = None,
 ) -> FlopCount:
     """Forward FLOPs of one batch of sequences of `seq_len` tokens.
 
@@ -254,6 +279,9 @@ def count_flops(
         seq_len: T, the tokens per sequence.
         router_flops: each sublayer's router FLOPs per scored token; None asks routers built
             from cfg what they spend in training (`router_flops_per_token`).
+        router_backward: each sublayer's router backward FLOPs per scored token in training;
+            None asks routers built from cfg when router_flops is None too, else takes two
+            matrix products per forward one.
     """
     counts = torch.as_tensor(executed).detach().cpu()
     if counts.ndim != 2 or counts.shape[0] != cfg.n_sublayers:
@@ -262,7 +290,10 @@ def count_flops(
         )
     if (counts < 0).any() or (counts > seq_len).any():
         raise ValueError(f"executed counts must lie in [0, seq_len={seq_len}].")
-    c = _constants(cfg, router_flops_per_token(cfg) if router_flops is None else router_flops)
+    if router_flops is None:
+        router_flops = router_flops_per_token(cfg)
+        router_backward = router_backward_flops_per_token(cfg) if router_backward is None else router_backward
+    c = _constants(cfg, router_flops, router_backward=router_backward)
     t = _terms(c, counts, seq_len)
     as_int = lambda x: int(round(float(x)))
     subs = tuple(
@@ -278,7 +309,7 @@ def count_flops(
         tokens=as_int(t["tokens"]), forward=as_int(t["forward"]), layers=as_int(t["layers"].sum()),
         full_depth_layers=as_int(t["full_depth"].sum()), head=as_int(t["head"]),
         executed_params=as_int(t["executed_params"].sum()), layer_params=as_int(c.params.sum()),
-        sublayers=subs,
+        sublayers=subs, router_backward=as_int(c.router_backward.sum() * t["tokens"]),
     )
 
 
@@ -294,7 +325,8 @@ def count_model(model: Transformer, seq_len: int) -> FlopCount:
     """The breakdown of the model's last forward pass over sequences of `seq_len` tokens. Call it
     with the model in the mode that pass ran in: routers report their cost in their current mode."""
     router_flops = [s.router.flops_per_token() for s in model.sublayers]
-    return count_flops(model.cfg, executed_counts(model), seq_len, router_flops)
+    router_backward = [s.router.backward_flops_per_token() for s in model.sublayers]
+    return count_flops(model.cfg, executed_counts(model), seq_len, router_flops, router_backward)
 
 
 def full_depth_forward_flops(cfg: TransformerConfig, seq_len: int | None = None) -> int:
@@ -328,6 +360,7 @@ class StepFlops(NamedTuple):
         executed_params: sum over layers of their weights x the tokens that ran them.
         tokens: tokens in the batch.
         samples: sequences in the batch.
+        training: forward and backward FLOPs of the pass; None means 3 x forward.
     """
 
     forward: Tensor | float
@@ -336,6 +369,7 @@ class StepFlops(NamedTuple):
     executed_params: Tensor | float
     tokens: Tensor | float
     samples: Tensor | float
+    training: Tensor | float | None = None
 
 
 @runtime_checkable
@@ -362,7 +396,7 @@ class TransformerFlopCounter:
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self.seq_len: int | None = None
-        self._router_flops: list[int] = []
+        self._router_flops: list[tuple[int, int]] = []
         self._constants: _Constants | None = None
         self._hook = model.register_forward_pre_hook(self._record)
 
@@ -370,7 +404,8 @@ class TransformerFlopCounter:
         if module.training:
             self.seq_len = int(args[0].shape[-1])
             # asked here, in the mode of the pass being counted (a router may spend more in training)
-            router_flops = [s.router.flops_per_token() for s in self.model.sublayers]
+            router_flops = [(s.router.flops_per_token(), s.router.backward_flops_per_token())
+                            for s in self.model.sublayers]
             if router_flops != self._router_flops:
                 self._router_flops, self._constants = router_flops, None
 
@@ -379,11 +414,13 @@ class TransformerFlopCounter:
             raise RuntimeError("The model has not run a training forward pass yet.")
         counts = executed_counts(self.model)
         if self._constants is None or self._constants.per_token.device != counts.device:
-            self._constants = _constants(self.model.cfg, self._router_flops, counts.device)
+            forward, backward = zip(*self._router_flops)
+            self._constants = _constants(self.model.cfg, forward, counts.device, backward)
         t = _terms(self._constants, counts, self.seq_len)
         return StepFlops(
             forward=t["forward"], layer=t["layers"].sum(), full_depth_layer=t["full_depth"].sum(),
             executed_params=t["executed_params"].sum(), tokens=t["tokens"], samples=t["samples"],
+            training=t["training"],
         )
 
     def full_depth_forward_flops_per_token(self) -> float:
@@ -407,16 +444,28 @@ def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kw
     return 2 * b * h * s_q * s_k * d_q + 2 * b * h * s_q * s_k * d_v
 
 
+def _sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                         **kwargs) -> int:
+    """The gradients of q, k, v and the probabilities: two matrix products per forward one, what
+    math attention's backward runs. (torch's formula for the CUDA kernels adds the recomputation
+    of the scores, a fifth product that the kernel's saving of memory costs, not the model.)"""
+    return 2 * _sdpa_flops(query_shape, key_shape, value_shape)
+
+
 def flop_counter_mode(**kwargs: Any):
-    """`FlopCounterMode`, plus the formula of the fused CPU attention kernel.
+    """`FlopCounterMode`, plus the formulas of the fused CPU attention kernel, forward and backward.
 
     torch's registry has FLOP formulas for the CUDA flash / memory-efficient / cuDNN attention
-    kernels but not for `_scaled_dot_product_flash_attention_for_cpu`, so on CPU attention would
-    count 0. This adds the same formula torch uses for the CUDA kernels (the whole block).
+    kernels but not for `_scaled_dot_product_flash_attention_for_cpu` and its backward, so on CPU
+    attention would count 0. This adds the formulas torch uses for the CUDA kernels (the whole
+    block) and counts its backward as math attention's matrix products, so a measured training
+    pass matches the analytic 3 x forward.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops}
+    aten = torch.ops.aten
+    mapping = {aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flops}
     mapping.update(kwargs.pop("custom_mapping", {}) or {})
     return FlopCounterMode(display=kwargs.pop("display", False), custom_mapping=mapping, **kwargs)
 
@@ -425,5 +474,5 @@ __all__ = [
     "FlopCount", "FlopCounter", "StepFlops", "SublayerFlops", "TRAINING_MULTIPLIER",
     "TransformerFlopCounter", "count_flops", "count_model", "executed_counts", "flop_counter_mode",
     "full_depth_forward_flops", "head_flops_per_token", "mlp_hidden", "mod_rate", "reference_training_flops",
-    "router_flops_per_token", "sublayer_params",
+    "router_backward_flops_per_token", "router_flops_per_token", "sublayer_params",
 ]

@@ -424,6 +424,7 @@ class Transformer(nn.Module):
                 sublayers.append(Sublayer(kind, index, compute, router))
             blocks.append(Block(*sublayers))
         self.blocks = nn.ModuleList(blocks)
+        self.check_routers()
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
 
@@ -438,6 +439,16 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, std=std)
         nn.init.normal_(self.head.weight, std=std)
         nn.init.normal_(self.embed.weight, std=self.cfg.embed_std)
+
+    def check_routers(self) -> None:
+        """Refuse, before any forward pass, a router that reads the angle the residual strategy
+        plans (`Router.reads_planned_angle`) where the strategy plans none."""
+        if any(s.router.reads_planned_angle for s in self.sublayers) and not self.strategy.plans_angle:
+            raise ValueError(
+                "router_options.predictor 'angle' reads the angle the residual strategy plans before "
+                f"a sublayer runs, and residual {self.cfg.residual!r} with these options plans none "
+                "(only nag with angle: gate does): use predictor: probe, or the gated NAG."
+            )
 
     @property
     def sublayers(self) -> list[Sublayer]:

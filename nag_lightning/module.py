@@ -176,6 +176,11 @@ class NAGLanguageModel(L.LightningModule):
             self.log("train/aux_loss", aux)
         return loss + self.hparams.aux_loss_weight * aux
 
+    def on_validation_start(self) -> None:
+        """Say in the logs when a router's evaluation routing is not to be trusted yet."""
+        for note in sorted({n for s in self.model.sublayers if (n := s.router.evaluation_note())}):
+            rank_zero_warn(note)
+
     def on_after_backward(self) -> None:
         """Routers learn thresholds outside the gradients; with activation checkpointing they
         apply them here, once backward has run every block's forward again."""

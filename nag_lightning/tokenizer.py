@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -38,6 +39,8 @@ _INT16_MAX_VOCAB = 2**15
 MAX_BPE_VOCAB = 2**18
 # Bump when the BPE recipe below changes, so cached BPE models are not reused.
 BPE_VERSION = 1
+# Bump when `HFTokenizer.encode` gives other ids for some input, so chunks it wrote are not reused.
+ENCODE_VERSION = 2
 # The BPE is trained on at most this many bytes of the training split, taken as evenly spaced
 # files so that every part of the corpus is represented. The default corpus (the standard library,
 # 30 MB of training text) fits whole: a 2048-id BPE trained on all of it in 4.5 s on 2 CPU cores
@@ -74,7 +77,8 @@ class Tokenizer:
         return torch.int16 if self.vocab_size <= _INT16_MAX_VOCAB else torch.int32
 
     def encode(self, data: bytes) -> torch.Tensor:
-        """The token ids of `data` (UTF-8 text; other tokenizers replace invalid bytes)."""
+        """The token ids of `data`, any bytes (a tokenizer that is not byte-level reads each byte
+        that is not UTF-8 as U+FFFD)."""
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     def decode(self, ids: Iterable[int]) -> bytes:
@@ -132,9 +136,30 @@ class HFTokenizer(Tokenizer):
         # Pieces encode in parallel. Their cuts change no id under a GPT-2-style pre-tokenizer (ours);
         # under others (e.g. SentencePiece's, which marks the start of every input) they may change
         # the ids next to a cut, one in tens of thousands of bytes.
-        pieces = [p.decode("utf-8", errors="replace") for p in split_text(data)]
-        ids = [i for e in self.hf.encode_batch(pieces, add_special_tokens=False) for i in e.ids]
+        pieces = split_text(data)
+        try:
+            texts = [p.decode("utf-8") for p in pieces]
+        except UnicodeDecodeError:  # not UTF-8: text would turn each stray byte into U+FFFD's 3
+            if self._by_words is not None:
+                words = [byte_words(self.hf.pre_tokenizer, p) for p in pieces]
+                encoded = self._by_words.encode_batch(words, is_pretokenized=True, add_special_tokens=False)
+                return torch.tensor([i for e in encoded for i in e.ids], dtype=self.dtype)
+            texts = [p.decode("utf-8", errors="replace") for p in pieces]
+        ids = [i for e in self.hf.encode_batch(texts, add_special_tokens=False) for i in e.ids]
         return torch.tensor(ids, dtype=self.dtype)
+
+    @cached_property
+    def _by_words(self):
+        """For a byte-level tokenizer without a normalizer, a copy of it that takes the words of
+        `byte_words` as they are (no normalizer, no pre-tokenizer), so that any bytes encode
+        exactly; None for other tokenizers, which take only text."""
+        from tokenizers import Tokenizer as _Tokenizer
+
+        config = json.loads(self.json_text)
+        if config.get("normalizer") or "ByteLevel" not in _component_types(config.get("pre_tokenizer")):
+            return None
+        config["pre_tokenizer"] = None
+        return _Tokenizer.from_str(json.dumps(config))
 
     @cached_property
     def token_bytes(self) -> list[bytes]:
@@ -194,6 +219,27 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+# `str.translate` tables: a Latin-1 character (a byte) to its character in GPT-2's alphabet, and a
+# byte that `surrogateescape` kept (U+DC80 + byte, bytes 0x80-0xFF) to U+FFFD.
+_LATIN1_TO_ALPHABET = {b: ord(c) for b, c in _bytes_to_unicode().items()}
+_ESCAPED_TO_FFFD = dict.fromkeys(range(0xDC80, 0xDD00), 0xFFFD)
+
+
+def byte_words(pre_tokenizer, data: bytes) -> list[str]:
+    """The pre-tokens of any bytes `data`, each written in GPT-2's byte alphabet (one character
+    per byte): what a byte-level pre-tokenizer makes of UTF-8 text, and exact for other bytes too.
+
+    The pre-tokenizer takes only text, so it splits `data` read as UTF-8 with each stray byte as
+    U+FFFD (one character for one byte, so its character offsets hold); each pre-token is then
+    written as the bytes it covers, not as the UTF-8 of U+FFFD.
+    """
+    text = data.decode("utf-8", errors="surrogateescape")
+    spans = pre_tokenizer.pre_tokenize_str(text.translate(_ESCAPED_TO_FFFD))
+    return [
+        text[start:end].encode("utf-8", errors="surrogateescape").decode("latin-1").translate(
+            _LATIN1_TO_ALPHABET)
+        for _, (start, end) in spans
+    ]
 
 
 def split_text(data: bytes, target: int = 1 << 16) -> list[bytes]:
@@ -278,18 +324,20 @@ def load_saved(saved: object) -> Tokenizer:
     return HFTokenizer(saved["json"], saved["spec"])
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
+def train_bpe(texts: Iterable[str] | Iterable[bytes], vocab_size: int) -> str:
     """Train a byte-level BPE of `vocab_size` ids on `texts`; return its tokenizer.json text.
 
     GPT-2's recipe, as nanochat and most byte-level BPEs follow it: no normalizer, the GPT-2 regex
     pre-tokenizer over its byte alphabet (all 256 byte values are ids, so any text encodes, and
     every id stands for definite bytes), merges learned until `vocab_size` ids, no special tokens.
+    `texts` given as bytes need not be UTF-8: they train on the words `encode` makes of them
+    (`byte_words`, split here in Python, so slower than text).
     """
     from tokenizers import Tokenizer as _Tokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     hf = _Tokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -298,7 +346,17 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> str:
         show_progress=False,
         special_tokens=[],
     )
-    hf.train_from_iterator(texts, trainer=trainer)
+    texts = iter(texts)
+    first = next(texts, "")
+    if isinstance(first, bytes):
+        # GPT-2's alphabet holds no whitespace, so words joined by spaces split back exactly.
+        hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        words = (" ".join(byte_words(byte_level, t)) for t in itertools.chain([first], texts))
+        hf.train_from_iterator(words, trainer=trainer)
+    else:
+        hf.pre_tokenizer = byte_level
+        hf.train_from_iterator(itertools.chain([first], texts), trainer=trainer)
+    hf.pre_tokenizer = byte_level
     return hf.to_str()
 
 

@@ -6,14 +6,17 @@ from nag_lightning.cli import main
 
 
 def run_command(args: list[str], capsys) -> tuple[int, str, str]:
-    """Run `nag-lightning ARGS` in-process; return its exit status, stdout and stderr."""
+    """Run `nag-lightning ARGS` in-process; return its exit status, stdout and stderr. Give
+    `capsysbinary` for a command whose output need not be UTF-8 (generate writes bytes)."""
     try:
         main(args)
         status = 0
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
+    out, err = capsys.readouterr()
+    if isinstance(out, bytes):
+        out, err = out.decode("utf-8", errors="replace"), err.decode("utf-8", errors="replace")
+    return status, out, err
 
 
 def run_cli(args: list[str], capsys) -> tuple[int, str]:

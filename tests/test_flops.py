@@ -97,6 +97,39 @@ def test_analytic_count_matches_flop_counter_mode(residual, router, training, ba
         assert counted.mod_rate > 0  # the routed path really ran
 
 
+def measure_training(model: Transformer, idx: Tensor, backend: str) -> int:
+    """FlopCounterMode's total of one training pass, forward and backward of the loss and the
+    auxiliary losses; the fused CPU attention's backward counted by `flop_counter_mode`."""
+    def train_step():
+        out = model(idx)
+        (out.logits.float().logsumexp(-1).mean() + out.aux_loss).backward()
+
+    if backend == "math":
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            train_step()
+    else:
+        with flop_counter_mode() as counter:
+            train_step()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("backend", ["math", "fused"])
+@pytest.mark.parametrize("router", ROUTERS.names())
+@pytest.mark.parametrize("residual", RESIDUALS.names())
+def test_training_count_matches_flop_counter_mode_of_forward_and_backward(residual, router, backend):
+    """3 x forward, but a router's backward is its own: top-k's predictor and the threshold probe
+    read a detached input, so they have no input gradient. The fused CPU attention's backward
+    counts what math attention's matrix products do."""
+    model = tiny(residual, router, router_options=ROUTE_OPTIONS.get(router, {}))
+    counter = TransformerFlopCounter(model)
+    idx = torch.randint(0, 256, (3, T))
+    model(idx)  # past any router's first-step special case
+    measured = measure_training(model, idx, backend)
+    assert count_model(model, T).training == measured
+    assert counter.step().training.item() == measured
+    counter.remove()
+
+
 @pytest.mark.parametrize("backend", ["math", "fused"])
 @pytest.mark.parametrize("residual", RESIDUALS.names())
 def test_uneven_executed_counts_across_the_batch(residual, backend):

@@ -313,6 +313,32 @@ def test_threshold_target_rate_is_reached_in_a_short_run(residual):
     assert all(s.router.tau.item() > 0 for s in model.sublayers)
 
 
+def test_validation_says_in_the_logs_while_the_thresholds_are_settling():
+    """A few training steps, then validation: evaluation's threshold lags predictions that still
+    move, and the logs say so; a router past the settling steps, or one with a fixed tau, does not."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from nag_lightning.module import NAGLanguageModel
+    from nag_lightning.routers.threshold import EVAL_SETTLING_STEPS
+
+    torch.manual_seed(0)
+    module = NAGLanguageModel(TransformerConfig(d_model=32, n_layers=1, n_heads=2, seq_len=T,
+                                                router="threshold", router_options={"target_rate": 0.25}))
+    batches = torch.cat(text_batches(4))
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, val_check_interval=3, limit_val_batches=1,
+                        num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    with pytest.warns(UserWarning, match="fewer than 200 steps, and evaluation's threshold lags"):
+        trainer.fit(module, DataLoader(batches, batch_size=4), DataLoader(batches, batch_size=4))
+    router = module.model.sublayers[0].router
+    assert 0 < int(router.steps) < EVAL_SETTLING_STEPS
+    router.steps.fill_(EVAL_SETTLING_STEPS)
+    router._steps_seen = None
+    assert router.evaluation_note() is None
+    assert ThresholdRouter(8, tau=0.1).evaluation_note() is None
+
+
 def test_threshold_evaluation_routes_at_the_training_rate_when_the_controller_swings():
     """Predictions in a narrow core with wide tails (15% of tokens): the controller's steps, scaled
     by the spread of the whole batch, swing its rate between a few percent and most tokens, right
@@ -509,9 +535,16 @@ def test_angle_predictor_skips_where_the_residuals_angle_is_below_tau():
 
 @pytest.mark.parametrize("residual,options", [("prenorm", {}), ("nag", {"angle": "magnitude"})])
 def test_angle_predictor_needs_a_residual_that_knows_its_angle_in_advance(residual, options):
-    model = tiny(residual, "threshold", router_options={"predictor": "angle"}, residual_options=options)
-    with pytest.raises(ValueError, match="predictor 'angle' reads the angle the residual strategy knows"):
-        model(tokens())
+    # refused when the model is built, not at its first forward
+    with pytest.raises(ValueError, match=f"predictor 'angle' reads the angle .* residual '{residual}' "
+                                         "with these options plans none"):
+        tiny(residual, "threshold", router_options={"predictor": "angle"}, residual_options=options)
+    # and when a sweep attaches such routers to a model trained without any
+    from nag_lightning.analysis.probes import attach_sweep_routers
+
+    model = tiny(residual, "none", residual_options=options)
+    with pytest.raises(ValueError, match="plans none"):
+        attach_sweep_routers(model, ["attn", "mlp"], 2, {"predictor": "angle"})
     with pytest.raises(ValueError, match="predictor must be one of"):
         tiny("nag", "threshold", router_options={"predictor": "gate"})
 

@@ -59,8 +59,8 @@ def test_the_old_layout_reads_as_the_new_one():
     assert saved_architecture({"arch": {"d_model": 32}, "d_model": 64}) == {"d_model": 32}
 
 
-def test_an_old_checkpoint_loads_validates_resumes_sweeps_and_generates(old_checkpoint, tmp_path, capsys,
-                                                                       monkeypatch):
+def test_an_old_checkpoint_loads_validates_resumes_sweeps_and_generates(old_checkpoint, tmp_path,
+                                                                       capsysbinary, monkeypatch):
     from nag_lightning.checkpoint import load_transformer
     from nag_lightning.module import NAGLanguageModel
 
@@ -74,17 +74,18 @@ def test_an_old_checkpoint_loads_validates_resumes_sweeps_and_generates(old_chec
     for command in (["validate", "--config", DEBUG, *data_args(old_checkpoint)],
                     ["fit", "--config", DEBUG, *data_args(old_checkpoint), "--trainer.max_steps=3",
                      "--model.arch.residual_options", "{theta_max: 0.25}"]):
-        status, _, err = run_command([*command, f"--ckpt_path={old_checkpoint}"], capsys)
+        status, _, err = run_command([*command, f"--ckpt_path={old_checkpoint}"], capsysbinary)
         assert status == 0, err[-2000:]
     status, _, err = run_command(["fit", "--config", DEBUG, *data_args(old_checkpoint),
                                   "--trainer.max_steps=3", "--model.arch.d_model=64",
-                                  f"--ckpt_path={old_checkpoint}"], capsys)
+                                  f"--ckpt_path={old_checkpoint}"], capsysbinary)
     assert status == 1 and "different architecture: model.arch.d_model=32 (this run: 64)" in err
     status, out, err = run_command(["sweep", f"--ckpt_path={old_checkpoint}", "--val_batches=1",
-                                    "--fit_batches=1", "--taus=[0.0]", f"--out_dir={tmp_path / 's'}"], capsys)
+                                    "--fit_batches=1", "--taus=[0.0]", f"--out_dir={tmp_path / 's'}"],
+                                   capsysbinary)
     assert status == 0 and "threshold tau=0" in out, err[-2000:]
     status, out, err = run_command(["generate", f"--ckpt_path={old_checkpoint}", "--max_new_tokens=2"],
-                                   capsys)
+                                   capsysbinary)
     assert status == 0 and "sublayers executed" in out, err[-2000:]
 
 

@@ -138,6 +138,56 @@ def test_bpe_training_reads_an_evenly_spread_sample():
     assert tokenizers.sample_pieces([("big", 0, 1000)], 300) == [("big", 0, 300)]
 
 
+def test_the_bpe_round_trips_any_bytes_with_tokens_as_long_as_their_bytes():
+    latin1 = text(120, 3).encode("latin-1", errors="replace") + bytes(range(256))
+    noise = torch.randint(0, 256, (5000,), generator=torch.Generator().manual_seed(0))
+    noise = bytes(noise.tolist())
+    from_bytes = HFTokenizer(tokenizers.train_bpe([latin1], 300), "bpe:300")
+    from_text = HFTokenizer(tokenizers.train_bpe([text(100, 2)], 300), "bpe:300")
+    for tok in (from_bytes, from_text):
+        for raw in (latin1, noise, b"caf\xe9\n\xed\xb2\x80\xff", text(20, 1).encode()):
+            ids = tok.encode(raw)
+            assert tok.decode(ids.tolist()) == raw
+            assert int(tok.byte_lengths[ids.long()].sum()) == len(raw)
+    # trained on the Latin-1 bytes themselves, not on the UTF-8 of U+FFFD standing for them
+    merged = [t for t in from_bytes.token_bytes if len(t) > 1]
+    assert b"\xe9" in latin1 and not [t for t in merged if b"\xef\xbf" in t]
+
+
+def test_bytes_train_the_same_merges_as_their_text_and_encode_to_the_same_ids():
+    raw = text(150, 4).encode()
+    from_text = tokenizers.train_bpe([raw.decode()], 320)
+    assert tokenizers.train_bpe([raw], 320) == from_text
+    tok = HFTokenizer(from_text, "bpe:320")
+    words = tokenizers.byte_words(tok.hf.pre_tokenizer, raw)
+    by_words = tok._by_words.encode(words, is_pretokenized=True, add_special_tokens=False).ids
+    assert by_words == tok.encode(raw).tolist()
+
+
+def test_a_tokenizer_that_is_not_byte_level_reads_stray_bytes_as_replacement_characters():
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers
+
+    hf = HF(models.WordLevel({"caf": 0, "\ufffd": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Split(pattern="caf", behavior="isolated")
+    tok = HFTokenizer(hf.to_str(), "words")
+    assert tok.encode(b"caf\xe9caf").tolist() == [0, 1, 0]
+
+
+def test_prepare_on_a_latin1_corpus_reports_token_bytes_equal_to_its_bytes(tmp_path, recwarn):
+    folder = tmp_path / "latin1"
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"f{i}.txt").write_bytes(text(150, i).encode("latin-1", errors="replace"))
+    root = prepare_corpus(str(folder), tmp_path / "cache", tokenizer="bpe:300")
+    coverage = json.loads((root / "meta.json").read_text())["coverage"]
+    assert coverage["token_bytes"] == coverage["bytes"] > 1000
+    assert not [w for w in recwarn if "stand for" in str(w.message)]
+    tok = load_tokenizer("bpe:300", str(folder), tmp_path / "cache")
+    train = [f.read_bytes()[: cut(f.read_bytes())] for f in sorted(folder.iterdir())]
+    assert tok.decode(stream(root / "train")) == b"".join(train)
+
+
 # ---- bits per byte ----------------------------------------------------------------------------------
 
 
@@ -190,7 +240,7 @@ def fit(corpus: Path, cache: Path, *extra: str) -> list[str]:
 
 
 def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
-    corpus, tmp_path, capsys, monkeypatch
+    corpus, tmp_path, capsysbinary, monkeypatch  # generate writes bytes, as generated
 ):
     monkeypatch.chdir(tmp_path)
 
@@ -199,7 +249,7 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
 
     monkeypatch.setattr(socket.socket, "connect", no_network)
     cache = tmp_path / "fresh_cache"  # a fresh machine: no BPE, no chunks
-    status, _, err = run_cli(fit(corpus, cache, "--data.tokenizer=bpe:300"), capsys)
+    status, _, err = run_cli(fit(corpus, cache, "--data.tokenizer=bpe:300"), capsysbinary)
     assert status == 0, err[-3000:]
     [ckpt] = tmp_path.rglob("last.ckpt")
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)
@@ -210,7 +260,7 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
     assert "val/bpb" in metrics and "val/loss_per_token" in metrics and "train/bpb" in metrics
 
     status, out, err = run_cli(["generate", "--ckpt_path", str(ckpt), "--prompt", "café ",
-                                "--max_new_tokens", "5", "--show_routing", "true"], capsys)
+                                "--max_new_tokens", "5", "--show_routing", "true"], capsysbinary)
     assert status == 0, err[-3000:]
     assert out.startswith("café ") and "per generated token" in out
     assert out.count(" sublayers\n") == 5
@@ -229,7 +279,7 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
     assert float(row["bpb"]) == pytest.approx(float(row["val_loss"]) / math.log(2) / bytes_per_token)
 
     # resuming on other tokens is refused in one sentence
-    status, _, err = run_cli(fit(corpus, cache, "--trainer.max_steps=4", f"--ckpt_path={ckpt}"), capsys)
+    status, _, err = run_cli(fit(corpus, cache, "--trainer.max_steps=4", f"--ckpt_path={ckpt}"), capsysbinary)
     assert status == 1
     assert "The checkpoint was trained on tokens of data.tokenizer='bpe:300' (300 ids), but this " \
            "run's data uses data.tokenizer='bytes'" in err

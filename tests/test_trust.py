@@ -124,9 +124,9 @@ def test_a_checkpoint_that_would_run_code_is_refused(name, where, workdir, serve
     assert not list((tmp_path / "torch_home").rglob("*.ckpt"))
 
 
-def test_a_remote_checkpoint_loads_with_weights_only(checkpoint, workdir, served, capsys):
+def test_a_remote_checkpoint_loads_with_weights_only(checkpoint, workdir, served, capsysbinary):
     url = f"{served}/{checkpoint.relative_to(workdir)}"
-    status, err = run_cli(command("generate", url, workdir), capsys)
+    status, err = run_cli(command("generate", url, workdir), capsysbinary)
     assert status == 0, err[-2000:]
 
 
@@ -168,20 +168,20 @@ def test_a_class_path_saved_in_a_checkpoint_is_not_called(name, payload, checkpo
 
 
 def test_an_out_of_package_plugin_loads_when_trusted_or_configured(checkpoint, workdir, tmp_path,
-                                                                   capsys, monkeypatch):
+                                                                   capsysbinary, monkeypatch):
     monkeypatch.chdir(tmp_path)
     plugin = f"{__name__}.PlainNag"
     ckpt = str(with_settings(checkpoint, tmp_path / "plugin.ckpt", residual=plugin))
 
-    status, err = run_cli(command("generate", ckpt, workdir), capsys)
+    status, err = run_cli(command("generate", ckpt, workdir), capsysbinary)
     assert status == 1 and f"'{__name__}.PlainNag'" in one_sentence(err)
     for name in ("generate", "sweep", "validate"):
-        status, err = run_cli(command(name, ckpt, workdir, "--trust_checkpoint=true"), capsys)
+        status, err = run_cli(command(name, ckpt, workdir, "--trust_checkpoint=true"), capsysbinary)
         assert status == 0, (name, err[-2000:])
     # the user's own config names the same class path: their code, no flag needed
     status, err = run_cli(
         command("validate", ckpt, workdir, f"--model.arch.residual={plugin}"),
-        capsys,
+        capsysbinary,
     )
     assert status == 0, err[-2000:]
 

@@ -128,14 +128,14 @@ def _checkpoint_totals(run_dir: Path) -> dict[str, float]:
     if not accounting:
         return {}
     totals = _flop_totals(accounting, ckpt)
-    return {"flops/total": 3.0 * totals["forward_flops"], "flops/tokens": totals["tokens"],
+    return {"flops/total": totals["training_flops"], "flops/tokens": totals["tokens"],
             "steps": totals["steps"]}
 
 
 def _flop_totals(accounting: object, ckpt: Path) -> dict[str, float]:
     """FlopAccounting's saved totals as numbers; one sentence if they are damaged."""
     totals = {}
-    for key, default in (("forward_flops", None), ("tokens", None), ("steps", 0)):
+    for key, default in (("forward_flops", None), ("tokens", None), ("steps", 0), ("training_flops", 0.0)):
         value = accounting.get(key, default) if isinstance(accounting, dict) else None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
             raise ValueError(
@@ -143,6 +143,8 @@ def _flop_totals(accounting: object, ckpt: Path) -> dict[str, float]:
                 "count); restore the checkpoint, or leave the run out."
             )
         totals[key] = float(value)
+    # a checkpoint written before routers counted their own backward holds 3 x forward
+    totals["training_flops"] = totals["training_flops"] or 3.0 * totals["forward_flops"]
     return totals
 
 

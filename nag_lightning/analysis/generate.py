@@ -1,8 +1,11 @@
 """`nag-lightning generate`: continue prompts from a checkpoint, token by token, with causal routing.
 
 Prompts are encoded, and continuations decoded, with the checkpoint's own tokenizer (bytes, or the
-tokenizer.json the checkpoint holds); both paths below only see token ids. A streamed token that
-ends inside a UTF-8 character is held back until the tokens that complete it arrive.
+tokenizer.json the checkpoint holds); both paths below only see token ids. A prompt's bytes are
+those of the command line (`os.fsencode`: its UTF-8, and bytes that are not UTF-8 as they were
+given), and the command writes prompt and continuation to stdout as bytes, so neither needs to
+be UTF-8. A streamed token that ends inside a UTF-8 character is held back (`on_text`) until the
+tokens that complete it arrive.
 
 The model runs in eval mode, where every router decides from the token's own state alone:
 threshold compares its predicted angle with tau, top-k asks its causal predictor (the exact top-k
@@ -16,6 +19,7 @@ token both report how many sublayers ran.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +45,8 @@ class Generation:
     """A generated continuation.
 
     Attributes:
-        prompt: the prompt text.
+        prompt: the prompt text (bytes that were not UTF-8 kept as surrogate escapes, as Python
+            reads them from the command line; `os.fsencode` gives them back).
         text: the continuation, decoded as UTF-8 (invalid bytes replaced).
         tokens: the continuation's token ids (byte values, for bytes).
         executed: for each generated token, the sublayers that ran at the position it was
@@ -167,13 +172,14 @@ def generate(
     on_token: Callable[[int, int], None] | None = None,
     trust_checkpoint: bool = False,
     on_text: Callable[[int, str], None] | None = None,
+    on_bytes: Callable[[int, bytes], None] | None = None,
 ) -> Generation | list[Generation]:
     """Continue prompts with a trained model and report the sublayers executed per token.
 
     Args:
         ckpt_path: a .ckpt file written by `nag-lightning fit`.
-        prompt: text to continue (encoded with the checkpoint's tokenizer), or a list of texts
-            continued as one batch (then a list of results).
+        prompt: text to continue, or a list of texts continued as one batch (then a list of
+            results); its bytes (`os.fsencode`) are encoded with the checkpoint's tokenizer.
         max_new_tokens: most tokens to generate per prompt (bytes, for a byte-level model), at
             most MAX_NEW_TOKENS (a million).
         temperature: 0 for greedy decoding, else the softmax temperature of sampling.
@@ -183,7 +189,7 @@ def generate(
         show_routing: print, for each generated token, how many sublayers ran.
         top_p: sample from the smallest set of most likely tokens whose probability reaches top_p
             (1: all); ignored when greedy.
-        stop: end a continuation once it ends with this text (kept in the output).
+        stop: end a continuation once it ends with this text's bytes (kept in the output).
         cache: generate with a KV cache, each token computed once (linear cost); false runs the
             uncached reference, which recomputes the prefix for every token (quadratic cost).
         on_token: called as on_token(i, token id) as each token of prompt i arrives.
@@ -191,6 +197,8 @@ def generate(
             outside the registered plugins; only for checkpoints whose origin you trust.
         on_text: called as on_text(i, text) with the text each token of prompt i completes (empty
             while a UTF-8 character is unfinished), and once at the end with what is left.
+        on_bytes: called as on_bytes(i, data) with the bytes of each token of prompt i as it
+            arrives.
     """
     from nag_lightning.checkpoint import load_transformer_and_tokenizer
 
@@ -198,16 +206,19 @@ def generate(
     check_generate_options(texts, max_new_tokens, device, seed)
     # without Lightning: starts at once
     model, _, tokenizer = load_transformer_and_tokenizer(ckpt_path, device, trust_checkpoint)
-    prompts = [tokenizer.encode(text.encode("utf-8")).tolist() for text in texts]
-    stop_bytes = None if stop is None else stop.encode("utf-8")
+    prompts = [tokenizer.encode(os.fsencode(text)).tolist() for text in texts]
+    stop_bytes = None if stop is None else os.fsencode(stop)
     decoders = [StreamDecoder(tokenizer) for _ in texts]
-    if on_text is not None:
+    if on_text is not None or on_bytes is not None:
         given = on_token
 
         def on_token(i: int, token: int) -> None:
             if given is not None:
                 given(i, token)
-            on_text(i, decoders[i].push(token))
+            if on_text is not None:
+                on_text(i, decoders[i].push(token))
+            if on_bytes is not None:
+                on_bytes(i, tokenizer.token_bytes[token])
 
     use_causal_routing(model)
     if cache:
@@ -275,7 +286,7 @@ def generate_command(args: list[str]) -> None:
     from nag_lightning.cli import function_parser
 
     parser = function_parser(generate, "nag-lightning generate", generate.__doc__.split("\n")[0],
-                             skip=("on_token", "on_text"))
+                             skip=("on_token", "on_text", "on_bytes"))
     parser.add_argument("--stream", type=bool, default=True,
                         help="print each token as it arrives (one prompt; a list prints at the end)")
     options = parser.parse_args(args).as_dict()
@@ -283,16 +294,30 @@ def generate_command(args: list[str]) -> None:
 
     echoed = []
 
-    def show(_: int, text: str) -> None:
+    def show(_: int, data: bytes) -> None:
         if not echoed:  # the prompt, once the options and the checkpoint are known to be good
-            echoed.append(sys.stdout.write(options["prompt"]))
-        sys.stdout.write(text)
-        sys.stdout.flush()
+            echoed.append(write_bytes(os.fsencode(options["prompt"])))
+        write_bytes(data)
 
-    result = generate(**options, on_text=show if stream else None)
+    result = generate(**options, on_bytes=show if stream else None)
+    if stream and not echoed:
+        write_bytes(os.fsencode(options["prompt"]))
     for i, one in enumerate([result] if isinstance(result, Generation) else result):
         if stream:
             print()
         else:
-            print(("" if i == 0 else "\n") + one.prompt + one.text)
+            write_bytes(b"\n" * (i > 0) + os.fsencode(one.prompt) + one.tokenizer.decode(one.tokens))
+            print()
         report(one, options["show_routing"])
+
+
+def write_bytes(data: bytes) -> None:
+    """Write `data` to stdout as it is (a prompt or a continuation need not be UTF-8), after
+    what was printed before it."""
+    sys.stdout.flush()
+    binary = getattr(sys.stdout, "buffer", None)
+    if binary is None:  # a text-only stream: its text, with what is not UTF-8 replaced
+        sys.stdout.write(data.decode("utf-8", errors="replace"))
+    else:
+        binary.write(data)
+    sys.stdout.flush()

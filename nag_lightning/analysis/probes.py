@@ -28,6 +28,7 @@ def attach_sweep_routers(model: Transformer, route_kinds: list[str], fit_steps: 
         if replacement is not None:
             s.router = replacement.to(device)
             attached.append(s.router)
+    model.check_routers()
     return attached
 
 

@@ -3,7 +3,8 @@
 DESIGN section 5. After every optimizer step the callback asks the model what its training forward
 passes did (`nag_lightning.flops.StepFlops`), sums that over all ranks with one all-reduce, and logs:
 
-    flops/step                       training FLOPs of the step, all ranks (3 x forward)
+    flops/step                       training FLOPs of the step, all ranks (3 x forward, routers
+                                     aside: `StepFlops.training`)
     flops/total                      training FLOPs so far, all ranks; kept in checkpoints
     flops/tokens                     tokens trained on so far, all ranks; kept in checkpoints
     flops/executed_fraction          layer FLOPs executed over layer FLOPs at full depth (step)
@@ -82,6 +83,7 @@ class FlopAccounting(L.Callback):
     def _reset_totals(self) -> None:
         # Totals over all ranks and every step of the run, including those before a resume.
         self.forward_flops = 0
+        self.training_flops = 0
         self.tokens = 0
         self.samples = 0
         self.steps = 0
@@ -91,11 +93,6 @@ class FlopAccounting(L.Callback):
         self._pending: torch.Tensor | None = None
         self._counted: tuple[int, int] | None = None  # (epoch, batch index) last counted
         self._last_logged = -1
-
-    @property
-    def training_flops(self) -> int:
-        """Training FLOPs spent so far, all ranks: 3 x forward."""
-        return TRAINING_MULTIPLIER * self.forward_flops
 
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(trainer, self)` after every counted step, before logging."""
@@ -150,6 +147,8 @@ class FlopAccounting(L.Callback):
             return
         self._counted = (trainer.current_epoch, batch_idx)
         step = self.counter.step()
+        if step.training is None:
+            step = step._replace(training=TRAINING_MULTIPLIER * step.forward)
         values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=pl_module.device)
                               for v in step])
         self._pending = values if self._pending is None else self._pending + values
@@ -171,13 +170,14 @@ class FlopAccounting(L.Callback):
         local_forward, *values = torch.cat([local[:1], reduced]).tolist()  # the one synchronisation
         self.local_forward_flops += round(local_forward)
         step = StepFlops(*values)
-        step_forward = round(step.forward)
+        step_forward, step_training = round(step.forward), round(step.training)
         self.forward_flops += step_forward
+        self.training_flops += step_training
         self.tokens += round(step.tokens)
         self.samples += round(step.samples)
         self.steps += 1
         self.last = {
-            "step": TRAINING_MULTIPLIER * step_forward,
+            "step": step_training,
             "executed_fraction": step.layer / step.full_depth_layer if step.full_depth_layer else 1.0,
             "executed_params_per_token": step.executed_params / step.tokens if step.tokens else 0.0,
         }
@@ -190,7 +190,7 @@ class FlopAccounting(L.Callback):
         world = trainer.world_size
         self._throughput.update(
             time=self._train_time, batches=self.steps, samples=self.samples / world,
-            lengths=self.tokens / world, flops=TRAINING_MULTIPLIER * step_forward / world,
+            lengths=self.tokens / world, flops=step_training / world,
         )
         every = max(trainer.log_every_n_steps, 1)
         last_step = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
@@ -216,11 +216,13 @@ class FlopAccounting(L.Callback):
     # ---- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"forward_flops": self.forward_flops, "tokens": self.tokens, "samples": self.samples,
-                "steps": self.steps}
+        return {"forward_flops": self.forward_flops, "training_flops": self.training_flops,
+                "tokens": self.tokens, "samples": self.samples, "steps": self.steps}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.forward_flops = int(state_dict["forward_flops"])
+        # saved before routers counted their own backward: 3 x forward, as it was counted then
+        self.training_flops = int(state_dict.get("training_flops", TRAINING_MULTIPLIER * self.forward_flops))
         self.tokens = int(state_dict["tokens"])
         self.samples = int(state_dict.get("samples", 0))
         self.steps = int(state_dict.get("steps", 0))

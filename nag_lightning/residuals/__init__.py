@@ -66,6 +66,12 @@ class ResidualStrategy(nn.Module):
         predictor), detached; None (the default) when only the write tells."""
         return None
 
+    @property
+    def plans_angle(self) -> bool:
+        """Whether `planned_angle` gives the angle, so a router may read it: by default, whether
+        the strategy defines `planned_angle`; a strategy that does so only in some settings says."""
+        return type(self).planned_angle is not ResidualStrategy.planned_angle
+
     def aux_loss(self) -> Tensor | None:
         """A loss term the strategy adds to training from its last forward pass (NAG's angle
         cost), or None (the default): the model adds it to the routers' auxiliary losses."""

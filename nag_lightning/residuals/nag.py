@@ -244,6 +244,10 @@ class NAGResidual(ResidualStrategy):
         score = math.sqrt(self.d_model) * (u.float() @ self.gate_w[index].float()) + self.gate_b[index]
         return self.theta_max * torch.sigmoid(score)
 
+    @property
+    def plans_angle(self) -> bool:
+        return self.angle == "gate"
+
     def planned_angle(self, state: State, index: int) -> Tensor | None:
         """The gated angle, known before the sublayer runs; None for the magnitude angle."""
         if self.angle != "gate":

@@ -123,9 +123,20 @@ class Router(nn.Module):
         in evaluation what runs there. Count matrix products only, as `nag_lightning.flops` does."""
         return 0
 
+    def backward_flops_per_token(self) -> int:
+        """Backward FLOPs the router spends per token it scores in a training pass: by default two
+        matrix products per forward one (the input's gradient and the weights'). A part that reads
+        a detached input has no input gradient, so it costs one; one that nothing trains, none."""
+        return 2 * self.flops_per_token()
+
     def stats(self) -> dict[str, float]:
         """Router-specific numbers to log (auxiliary losses, predictor accuracy, thresholds)."""
         return {}
+
+    def evaluation_note(self) -> str | None:
+        """A sentence for the logs when evaluation's routing cannot be trusted yet in the router's
+        current state (a threshold still settling), or None (the default)."""
+        return None
 
     # ---- post-training sweep ------------------------------------------------------------------
 

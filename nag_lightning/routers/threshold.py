@@ -71,6 +71,11 @@ share to sit in a gap between predictions rather than inside a cluster of them."
 PREDICTORS = ("probe", "angle")
 """Where theta_hat comes from: a probe on the read input, or the residual strategy's own angle."""
 
+EVAL_SETTLING_STEPS = 200
+"""Training forwards before evaluation's tau follows the predictions: it averages training batches'
+thresholds, which lag predictions that still move fast, and the model moves on after each batch
+(docs/routing.md: per sublayer 8-83% for a 25% target after 15 steps, 28% after 200-400)."""
+
 SWEEP_RATE_QUANTILES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6)
 """Quantiles of the predicted angles a post-training sweep puts tau at by default: MoD rates from
 0 to about 60%."""
@@ -340,6 +345,22 @@ class ThresholdRouter(Router):
         if self.predictor == "angle":
             return 0
         return (2 if self.training else 1) * 2 * self.d_model
+
+    def backward_flops_per_token(self) -> int:
+        """The probe's weight gradient from the loss of `observe`'s run: it reads a detached input
+        (no input gradient), and the routing run's prediction is used detached."""
+        return 0 if self.predictor == "angle" else 2 * self.d_model
+
+    def evaluation_note(self) -> str | None:
+        """With target_rate, a warning while evaluation's tau is still settling."""
+        if self.target_rate is None or self._steps() >= EVAL_SETTLING_STEPS:
+            return None
+        return (
+            f"The threshold router has trained fewer than {EVAL_SETTLING_STEPS} steps, and evaluation's "
+            "threshold lags predictions that still move fast: until then evaluation can skip far "
+            f"more or fewer tokens than target_rate={self.target_rate} (see docs/routing.md); "
+            "judge evaluation's MoD rate after that."
+        )
 
     def stats(self) -> dict[str, float]:
         """tau, the probe's MSE and the mean predicted and measured angle of executed tokens."""

@@ -133,6 +133,12 @@ class TopKRouter(Router):
         d, hidden = self.d_model, self.predictor_hidden
         return 2 * d + 2 * (d * hidden + hidden)
 
+    def backward_flops_per_token(self) -> int:
+        """The score's two gradients; the predictor's first layer reads a detached input, so only
+        its weights' gradient; its second layer both (its input is the trained first layer's)."""
+        d, hidden = self.d_model, self.predictor_hidden
+        return 2 * (2 * d) + 2 * d * hidden + 2 * (2 * hidden)
+
     def stats(self) -> dict[str, float]:
         """Predictor BCE and its agreement with the true top-k on the last forward pass."""
         return {"capacity": self.capacity, **{k: v.item() for k, v in self._stats.items()}}
