@@ -318,13 +318,14 @@ class NAGLanguageModel(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Take the checkpoint's tokenizer; refuse, in one sentence, a checkpoint whose tokenizer
         differs from the data's or whose architecture differs from this model's."""
-        saved = tokenizers.load_saved(checkpoint.get("tokenizer"), self.config.vocab_size)
+        saved = tokenizers.load_saved(checkpoint.get("tokenizer"))
         if self._tokenizer_from_data and saved.key != self.tokenizer.key:
             raise ValueError(
                 f"The checkpoint was trained on tokens of {saved.describe()}, but this run's data "
                 f"uses {self.tokenizer.describe()}; set data.tokenizer (and data.source) as the "
                 "checkpoint's run did, e.g. from its config.yaml."
             )
+        tokenizers.check_fits(saved, self.config.vocab_size)
         self.set_tokenizer(saved)
         check_architecture(checkpoint.get("hyper_parameters", {}), asdict(self.config))
 

@@ -289,13 +289,20 @@ def load_saved(saved: object, vocab_size: int | None = None, source: str = "") -
     """The tokenizer a checkpoint (at `source`) keeps (`Tokenizer.saved()`); bytes for checkpoints
     without one. It is untrusted input: with the model's `vocab_size`, every id must be below it."""
     tokenizer = _load_saved(saved)
-    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+    if vocab_size is not None:
+        check_fits(tokenizer, vocab_size, source)
+    return tokenizer
+
+
+def check_fits(tokenizer: Tokenizer, vocab_size: int, source: str = "") -> None:
+    """One sentence unless every id of a checkpoint's (at `source`) `tokenizer` is below the model's
+    `vocab_size`: the model embeds the ids the tokenizer gives."""
+    if tokenizer.vocab_size > vocab_size:
         raise ValueError(
             f"The checkpoint {source + ' ' if source else ''}holds a tokenizer with ids up to "
             f"{tokenizer.vocab_size - 1}, beyond the model's vocabulary of {vocab_size} ids; give "
             "a checkpoint written by `nag-lightning fit`, whose tokenizer fits its model."
         )
-    return tokenizer
 
 
 def _load_saved(saved: object) -> Tokenizer:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pickle
 import warnings
 from collections.abc import Iterable, Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlparse
 
@@ -117,7 +117,7 @@ def _download(url: str) -> str:
     """Fetch `url` afresh into the file Lightning's loader reads it from (torch.hub's checkpoint
     cache), so the Trainer restores the very bytes checked here, never an older file that happens
     to share the name."""
-    name = PurePosixPath(urlparse(url).path).name
+    name = urlparse(url).path.rpartition("/")[2]
     if name in ("", ".", ".."):  # the download would land in the cache folder itself
         raise ValueError(
             f"The checkpoint address {url} names no file (it ends in '/', '.' or '..'); give the "
