@@ -92,7 +92,7 @@ class SavedCheckpoint:
                    if k.startswith(MODEL_PREFIX)}
         with torch.device("meta"):
             expected = Transformer(config).state_dict()
-        check_weights(expected, weights, self.source)
+        check_weights(expected, weights, self.source)  # before anything is allocated
         model = Transformer(config)
         with fitting_weights(expected, weights, self.source):
             model.load_state_dict(weights)
