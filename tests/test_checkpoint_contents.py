@@ -191,6 +191,17 @@ def test_garbage_numbers_in_a_checkpoint_are_one_sentence(where, value, said, tr
     assert said in sentence
 
 
+def test_garbage_depth_history_is_dropped_with_a_warning():
+    from nag_lightning.callbacks import DepthDiagnostics
+
+    entry = {"step": 3, "labels": ["0_attn"], "mean": [0.1], "norm": [1.0],
+             "q0.1": [0.0], "q0.5": [0.1], "q0.9": [0.2]}
+    callback = DepthDiagnostics()
+    with pytest.warns(UserWarning, match="holds 2 entries that are not depth diagnostics"):
+        callback.load_state_dict({"history": [{**entry, "step": "x"}, entry, {**entry, "mean": "ab"}]})
+    assert callback.history == [entry]
+
+
 # ---- 2. every command reads a checkpoint file once ---------------------------------------------
 
 
