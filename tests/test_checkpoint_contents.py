@@ -174,12 +174,15 @@ def test_trusted_state_keeps_paths_inside_the_folder_only(tmp_path):
     ("loops", "garbage", "loops is not a mapping"),
     ("progress", -3, "is not a non-negative integer"),
     ("flops", "x", "FlopAccounting state holds forward_flops='x'"),
+    ("loader", [{"dataset": {"seed": "x"}}], "data loader state does not fit this data"),
 ])
 def test_garbage_numbers_in_a_checkpoint_are_one_sentence(where, value, said, trained, workdir,
                                                           tmp_path, capsys, monkeypatch):
     def craft(checkpoint: dict) -> None:
         if where == "progress":
             checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] = value
+        elif where == "loader":
+            checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = value
         elif where == "flops":
             checkpoint["callbacks"]["FlopAccounting"]["forward_flops"] = value
         else:
