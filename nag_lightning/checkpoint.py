@@ -225,4 +225,11 @@ def load_transformer_and_tokenizer(
     saved = read_saved(ckpt_path)
     saved.check_plugins(trust_checkpoint)
     tokenizer = saved.tokenizer  # checked against the vocabulary before the model is built
-    return saved.transformer(device), saved.hyper_parameters, tokenizer
+    model = saved.transformer(device)
+    if model.cfg.vocab_size > tokenizer.vocab_size:  # `fit` makes them equal
+        raise ValueError(
+            f"The checkpoint {saved.source} holds a model of {model.cfg.vocab_size} token ids but a "
+            f"tokenizer of {tokenizer.vocab_size}, which cannot decode the others; give a "
+            "checkpoint written by `nag-lightning fit`, whose tokenizer fits its model."
+        )
+    return model, saved.hyper_parameters, tokenizer
