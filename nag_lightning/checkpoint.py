@@ -84,17 +84,24 @@ class SavedCheckpoint:
         """`nag_lightning.trust.check_plugins` on this checkpoint."""
         check_plugins(self.raw, self.source, trusted, configured, replaced)
 
-    def transformer(self, device: str = "cpu") -> Transformer:
-        """The trained `Transformer`, in eval mode on `device`. Its shapes are checked against the
-        weights on the meta device first, so settings that do not fit the weights allocate nothing."""
-        config = TransformerConfig(**self.arch)
-        weights = {k[len(MODEL_PREFIX):]: v for k, v in self.state_dict.items()
-                   if k.startswith(MODEL_PREFIX)}
+    @property
+    def model_weights(self) -> dict:
+        """The `Transformer`'s weights, without the LightningModule's prefix."""
+        return {k[len(MODEL_PREFIX):]: v for k, v in self.state_dict.items() if k.startswith(MODEL_PREFIX)}
+
+    def check_weights(self, arch: Mapping[str, Any] | None = None) -> None:
+        """One sentence if the weights do not fit the `Transformer` the saved settings (or `arch`)
+        describe, checked on the meta device: settings that do not fit allocate nothing."""
         with torch.device("meta"):
-            expected = Transformer(config).state_dict()
-        check_weights(expected, weights, self.source)  # before anything is allocated
-        model = Transformer(config)
-        with fitting_weights(expected, weights, self.source):
+            expected = Transformer(TransformerConfig(**(self.arch if arch is None else arch))).state_dict()
+        check_weights(expected, self.model_weights, self.source)
+
+    def transformer(self, device: str = "cpu") -> Transformer:
+        """The trained `Transformer`, in eval mode on `device`."""
+        self.check_weights()
+        model = Transformer(TransformerConfig(**self.arch))
+        weights = self.model_weights
+        with fitting_weights(model.state_dict(), weights, self.source):
             model.load_state_dict(weights)
         return model.to(device).eval()
 

@@ -10,6 +10,7 @@ fills the last `decay_fraction` of a FLOP budget; gradient clipping is the Train
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from dataclasses import asdict
@@ -287,10 +288,10 @@ class NAGLanguageModel(L.LightningModule):
         """The module a `nag_lightning.checkpoint.SavedCheckpoint` holds (its plugins checked by
         the caller), built from that one read: its settings, `kwargs` on top, its tokenizer and
         weights."""
-        import inspect
-
         settings = {**saved.settings, **kwargs}
         accepted = inspect.signature(cls.__init__).parameters
+        arch = settings.get("arch")
+        saved.check_weights(asdict(arch) if isinstance(arch, TransformerConfig) else arch)
         module = cls(**{k: v for k, v in settings.items() if k in accepted})
         module.on_load_checkpoint(saved.raw)
         module.load_state_dict(saved.state_dict, strict=strict)
