@@ -130,9 +130,9 @@ class NagCLI:
             raise
         if self.run_folder is not None:
             self.run_folder.attach(self.trainer)
-        if self.saved_checkpoint is not None:  # the Trainer restores the dict read and checked here
-            strategy = self.trainer.strategy
-            strategy.checkpoint_io = preloaded_checkpoint_io(strategy.checkpoint_io, self.saved_checkpoint)
+        # the Trainer restores the dict read and checked here; any other file through the one reader
+        strategy = self.trainer.strategy
+        strategy.checkpoint_io = preloaded_checkpoint_io(strategy.checkpoint_io, self.saved_checkpoint)
         needed = getattr(self.datamodule, "vocab_size", None)
         if typed is not None and needed is not None and typed != needed:
             raise ValueError(
@@ -193,7 +193,7 @@ class NagCLI:
             self.config = self.parser.parse_object({subcommand: {"model": saved}}, self.config)
 
 
-def preloaded_checkpoint_io(inner, saved: SavedCheckpoint):
+def preloaded_checkpoint_io(inner, saved: SavedCheckpoint | None):
     """`inner`, a strategy's CheckpointIO, except that loading `saved` (the checkpoint the command
     already read and checked) returns that dict instead of reading the file again, and loading any
     other checkpoint goes through the one reader (`nag_lightning.checkpoint.read_saved`). Lightning
