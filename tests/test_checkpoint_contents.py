@@ -361,6 +361,30 @@ def served(trained, tmp_path, monkeypatch):
     server.server_close()
 
 
+@pytest.mark.parametrize("name", ["generate", "validate", "sweep"])
+def test_a_checkpoint_by_url_is_fetched_and_read_once(name, served, workdir, tmp_path, capsys, monkeypatch,
+                                                      counted_reads):
+    monkeypatch.chdir(tmp_path)
+    url = f"{served}/{RUN}/version_0/checkpoints/last.ckpt"
+    fetches = []
+    download = torch.hub.download_url_to_file
+
+    def counted_download(*args, **kwargs):
+        fetches.append(args)
+        return download(*args, **kwargs)
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", counted_download)
+    args = {
+        "generate": ["generate", f"--ckpt_path={url}", "--max_new_tokens=2"],
+        "validate": ["validate", "--config", DEBUG, *data_args(workdir), f"--ckpt_path={url}"],
+        "sweep": sweep_args(url, workdir, tmp_path / "s"),
+    }[name]
+    status, err = run_cli(args, capsys)
+    assert status == 0, err[-3000:]
+    assert len(fetches) == 1
+    assert list(counted_reads.values()) == [1], counted_reads
+
+
 @pytest.mark.parametrize("tail", ["/", "/..", "/."])
 def test_a_url_naming_no_file_is_one_sentence_and_leaves_nothing(tail, served, tmp_path, capsys,
                                                                   monkeypatch):
