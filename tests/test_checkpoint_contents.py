@@ -151,8 +151,7 @@ def test_trusted_state_keeps_paths_inside_the_folder_only(tmp_path):
 
     folder = tmp_path / "run" / "checkpoints"
     inside, escaping = str(folder / "a.ckpt"), str(folder / ".." / ".." / "a.ckpt")
-    (tmp_path / "link").symlink_to(tmp_path)  # a link that leads out of the folder
-    linked = folder / "out"
+    linked = folder / "out"  # a link inside the folder that leads out of it
     folder.mkdir(parents=True)
     linked.symlink_to(tmp_path)
     state = trusted_state({"dirpath": str(folder), "best_model_path": inside, "last_model_path": escaping,
