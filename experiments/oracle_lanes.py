@@ -19,7 +19,8 @@ import json
 
 import torch
 
-from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, load_checkpoint
+from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, saved_module
+from nag_lightning.checkpoint import read_saved
 from nag_lightning.model import Sublayer
 
 
@@ -49,11 +50,14 @@ def main() -> None:
     parser.add_argument("checkpoint")
     parser.add_argument("--rate", type=float, default=0.25, help="the MoD rate to compare at")
     parser.add_argument("--val_batches", type=int, default=16)
+    parser.add_argument("--trust_data", action="store_true",
+                        help="read and write the files the checkpoint's data settings name")
     args = parser.parse_args()
-    module = load_checkpoint(args.checkpoint, "cpu", False)
+    saved = read_saved(args.checkpoint)
+    module = saved_module(saved, "cpu", False)
     if type(module.model.strategy).__name__ != "NAGResidual":
         raise SystemExit("This compares NAG's two lanes; give the checkpoint of a `nag` run.")
-    data = checkpoint_data(module, args.checkpoint)
+    data = checkpoint_data(module, saved, use_saved_files=args.trust_data)
     data.setup("fit")
     val = first_batches(data.val_dataloader(), args.val_batches)
     model = module.model.eval()

@@ -10,6 +10,7 @@ NAG_LIGHTNING_TRACEBACK=1 to see the whole traceback instead.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import re
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lightning.pytorch.cli import LightningArgumentParser
 
+    from nag_lightning.checkpoint import SavedCheckpoint
     from nag_lightning.runs import RunFolder
 
 CHECKPOINT_ALIASES = ("last", "best", "hpc", "registry")
@@ -36,6 +38,7 @@ class NagCLI:
     """
 
     run_folder: RunFolder | None = None
+    saved_checkpoint: SavedCheckpoint | None = None  # ckpt_path, read once (`read_ckpt_path`)
 
     def __init__(self, *args, **kwargs) -> None:
         """LightningCLI's, with the run's folder unlocked when the command ends, and removed again
@@ -75,13 +78,40 @@ class NagCLI:
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         """Parse, then settle the run's folder: resolve `--ckpt_path last` and claim one version
         for all loggers (see `nag_lightning.runs`)."""
+        from nag_lightning.checkpoint import damaged_last
         from nag_lightning.runs import prepare_run_folder
+        from nag_lightning.trust import UnreadableCheckpoint
 
         self._parse_setting_vocab_aside(parser, args)
         subcommand = self.config.get("subcommand")
-        check_seed_everything((self.config[subcommand] if subcommand else self.config).get("seed_everything"))
-        self.run_folder = prepare_run_folder(self.config[subcommand] if subcommand else self.config,
-                                             subcommand)
+        config = self.config[subcommand] if subcommand else self.config
+        check_seed_everything(config.get("seed_everything"))
+        asked = config.get("ckpt_path") if subcommand else None
+        try:
+            self.run_folder = prepare_run_folder(config, subcommand,
+                                                 lambda path: self.read_ckpt_path(path).global_step)
+            ckpt_path = config.get("ckpt_path") if subcommand else None
+            if ckpt_path and ckpt_path not in CHECKPOINT_ALIASES:
+                self.read_ckpt_path(ckpt_path)
+        except UnreadableCheckpoint:
+            if self.run_folder is not None:
+                self.run_folder.release()
+            if asked != "last":
+                raise
+            raise damaged_last(config.ckpt_path) from None
+        except BaseException:
+            if self.run_folder is not None:
+                self.run_folder.release()
+            raise
+
+    def read_ckpt_path(self, path: str) -> SavedCheckpoint:
+        """The checkpoint `path` names, read once for the whole command (`nag_lightning.checkpoint`):
+        the run folder takes its step, the parser its settings, the Trainer its state."""
+        from nag_lightning.checkpoint import read_saved
+
+        if self.saved_checkpoint is None or self.saved_checkpoint.source != str(path):
+            self.saved_checkpoint = read_saved(path)
+        return self.saved_checkpoint
 
     def _parse_setting_vocab_aside(self, parser: LightningArgumentParser, args) -> None:
         """LightningCLI's parsing, with a `--model.arch.vocab_size` on the command line set aside
@@ -122,6 +152,9 @@ class NagCLI:
             raise own from None
         if self.run_folder is not None:
             self.run_folder.attach(self.trainer)
+        # the Trainer restores the dict read and checked here; any other file through the one reader
+        strategy = self.trainer.strategy
+        strategy.checkpoint_io = preloaded_checkpoint_io(strategy.checkpoint_io, self.saved_checkpoint)
         needed = getattr(self.datamodule, "vocab_size", None)
         if typed is not None and needed is not None and typed != needed:
             raise ValueError(
@@ -170,8 +203,7 @@ class NagCLI:
         sentence if it is missing or unreadable, names code outside the registries, or, for `fit`,
         has another architecture; then take its model settings, as LightningCLI does, saying
         which of this run's settings they replace."""
-        from nag_lightning.saved_settings import check_architecture, saved_model_settings
-        from nag_lightning.trust import check_plugins, read_checkpoint
+        from nag_lightning.saved_settings import check_architecture
 
         subcommand = self.config.get("subcommand")
         if not subcommand:
@@ -187,10 +219,10 @@ class NagCLI:
         ckpt_path = config.get("ckpt_path")
         if not ckpt_path or ckpt_path in CHECKPOINT_ALIASES:
             return
-        checkpoint = read_checkpoint(ckpt_path)
+        checkpoint = self.read_ckpt_path(ckpt_path)
         model_config = config.model.as_dict()
-        check_plugins(checkpoint, ckpt_path, config.get("trust_checkpoint"), model_config)
-        saved = saved_model_settings(checkpoint.get("hyper_parameters") or {})
+        checkpoint.check_plugins(config.get("trust_checkpoint"), model_config)
+        saved = copy.deepcopy(checkpoint.settings)
         if subcommand == "fit":
             check_architecture(saved, model_config.get("arch") or {}, ckpt_path)
         saved.pop("_instantiator", None)
@@ -249,6 +281,36 @@ def check_seed_everything(seed: object) -> None:
             f"seed_everything={seed} is outside the seeds numpy takes, 0 to {2**32 - 1}; give one "
             "in that range, or true for a random one."
         )
+
+
+def preloaded_checkpoint_io(inner, saved: SavedCheckpoint | None):
+    """`inner`, a strategy's CheckpointIO, except that loading `saved` (the checkpoint the command
+    already read and checked) returns that dict instead of reading the file again, and loading any
+    other checkpoint goes through the one reader (`nag_lightning.checkpoint.read_saved`). Lightning
+    2.x resumes and evaluates `ckpt_path` through `strategy.load_checkpoint`, which asks the
+    CheckpointIO; a strategy that reads sharded checkpoints by itself does not ask it."""
+    from lightning.pytorch.plugins.io import CheckpointIO
+
+    from nag_lightning.checkpoint import read_saved
+
+    class PreloadedCheckpointIO(CheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+            inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+        def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+            nonlocal saved
+            if saved is not None and os.path.abspath(str(path)) == os.path.abspath(saved.source):
+                raw, saved = saved.raw, None  # handed over once: a later load reads afresh
+                return raw
+            return read_saved(path).raw
+
+        def remove_checkpoint(self, path) -> None:
+            inner.remove_checkpoint(path)
+
+        def teardown(self) -> None:
+            inner.teardown()
+
+    return PreloadedCheckpointIO()
 
 
 def _without_option(argv: list[str], option: str) -> tuple[list[str], str | None]:

@@ -598,7 +598,20 @@ class _EpochExactLoader(StreamingDataLoader):
     _replay_pending = False
 
     def load_state_dict(self, obj: dict[str, Any]) -> None:
-        super().load_state_dict(obj)
+        # A checkpoint's loader state is untrusted input, and litdata indexes into it as it comes,
+        # here and again when the first epoch replays it: check what it reads unconditionally.
+        try:
+            problem = _loader_state_problem(obj)
+            if problem:
+                raise ValueError(problem)
+            super().load_state_dict(obj)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+            reason = f"{type(error).__name__}: {str(error)[:160]}"
+            raise ValueError(
+                f"The checkpoint's data loader state does not fit this data ({reason}); resume with "
+                "the data settings the run was trained with (its config.yaml), or give an "
+                "undamaged checkpoint written by `nag-lightning fit`."
+            ) from None
         self._replay_pending = self.restore
 
     def __iter__(self) -> Iterator[Any]:
@@ -606,6 +619,24 @@ class _EpochExactLoader(StreamingDataLoader):
             self.restore = False  # the epoch that replayed the state is over
         self._replay_pending = False
         yield from super().__iter__()
+
+
+_LOADER_COUNTS = ("current_epoch", "num_samples_yielded")
+_DATASET_COUNTS = ("current_epoch", "num_samples_yielded", "num_workers", "batch_size", "seed")
+
+
+def _loader_state_problem(state: object) -> str | None:
+    """What a saved StreamingDataLoader state lacks of what litdata reads from it, if anything."""
+    if not isinstance(state, dict) or not isinstance(state.get("dataset"), dict):
+        return "not a mapping with a dataset state"
+    for where, values, keys in (("", state, _LOADER_COUNTS), ("dataset.", state["dataset"], _DATASET_COUNTS)):
+        for key in keys:
+            value = values.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                return f"{where}{key}={value!r} is not a count"
+    if not isinstance(state["dataset"].get("shuffle"), bool):
+        return "dataset.shuffle is not true or false"
+    return None
 
 
 def _collate(blocks: list[torch.Tensor]) -> torch.Tensor:

@@ -10,6 +10,7 @@ fills the last `decay_fraction` of a FLOP budget; gradient clipping is the Train
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from dataclasses import asdict
@@ -27,7 +28,7 @@ from nag_lightning.callbacks.projection import WeightProjection
 from nag_lightning.compile import compile_model
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.residuals import ResidualStrategy
-from nag_lightning.saved_settings import check_architecture, saved_architecture
+from nag_lightning.saved_settings import check_architecture
 from nag_lightning.tasks import Labelled
 from nag_lightning.tasks.evaluation import DifficultyScores, score_batch
 from nag_lightning.tokenizer import Tokenizer
@@ -284,25 +285,47 @@ class NAGLanguageModel(L.LightningModule):
         trust_checkpoint: bool = False,
         **kwargs,
     ) -> NAGLanguageModel:
-        """Lightning's loader, with the checkpoint treated as untrusted input (`nag_lightning.trust`):
-        read with weights_only=True wherever it lives, and a residual or router it names by a class
-        path outside the registries refused unless `trust_checkpoint`. Keyword arguments override
+        """Lightning's loader, with the checkpoint treated as untrusted input and read once
+        (`nag_lightning.checkpoint.read_saved`): a residual or router it names by a class path
+        outside the registries is refused unless `trust_checkpoint`. Keyword arguments override
         the saved settings, as in Lightning."""
-        from nag_lightning.trust import check_plugins, read_checkpoint
+        from nag_lightning.checkpoint import read_saved
 
         if weights_only is False:
             raise ValueError(
                 "Checkpoints load with weights_only=True only, because a checkpoint may come from "
                 "anyone and a full unpickle can run its code; leave weights_only unset."
             )
-        checkpoint = read_checkpoint(checkpoint_path)
-        check_plugins(checkpoint, checkpoint_path, trust_checkpoint, replaced=kwargs)
-        saved = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY) or {}
-        if "arch" not in kwargs and "arch" not in saved:  # written before model.arch: settings flat
-            kwargs["arch"] = saved_architecture(saved)
-        return super().load_from_checkpoint(
-            checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
-        )
+        if hparams_file is not None:
+            raise ValueError(
+                "hparams_file is not read: a checkpoint of `nag-lightning fit` holds its settings."
+            )
+        saved = read_saved(checkpoint_path)
+        saved.check_plugins(trust_checkpoint, replaced=kwargs)
+        module = cls.from_saved(saved, strict=strict is not False, **kwargs)
+        return module if map_location is None else module.to(map_location)
+
+    @classmethod
+    def from_saved(cls, saved, strict: bool = True, **kwargs) -> NAGLanguageModel:
+        """The module a `nag_lightning.checkpoint.SavedCheckpoint` holds (its plugins checked by
+        the caller), built from that one read: its settings, `kwargs` on top, its tokenizer and
+        weights."""
+        settings = {**saved.settings, **kwargs}
+        accepted = inspect.signature(cls.__init__).parameters
+        arch = settings.get("arch")
+        saved.check_weights(asdict(arch) if isinstance(arch, TransformerConfig) else arch)
+        module = cls(**{k: v for k, v in settings.items() if k in accepted})
+        module.on_load_checkpoint(saved.raw)
+        module.load_state_dict(saved.state_dict, strict=strict)
+        return module
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """`nn.Module.load_state_dict`, with weights that do not fit this model said in one
+        sentence (the Trainer restores checkpoints through it too)."""
+        from nag_lightning.checkpoint import fitting_weights
+
+        with fitting_weights(self.state_dict(), state_dict):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def configure_callbacks(self) -> list[L.Callback]:
         """The callbacks the residual strategy's method needs: weight projection (nGPT's
@@ -325,6 +348,7 @@ class NAGLanguageModel(L.LightningModule):
                 f"uses {self.tokenizer.describe()}; set data.tokenizer (and data.source) as the "
                 "checkpoint's run did, e.g. from its config.yaml."
             )
+        tokenizers.check_fits(saved, self.config.vocab_size)
         self.set_tokenizer(saved)
         check_architecture(checkpoint.get("hyper_parameters", {}), asdict(self.config))
 

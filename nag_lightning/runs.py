@@ -32,11 +32,10 @@ import re
 import shutil
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
 
 _VERSION = re.compile(r"version_(\d+)")
 # Environment variables through which launchers (torchrun, SLURM, Lightning's own) give a process
@@ -84,8 +83,10 @@ def latest_run(root: Path) -> tuple[int, Path] | None:
 
 
 def checkpoint_step(path: Path) -> int:
-    """The global step a checkpoint holds, read without loading its tensors into memory."""
-    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step", 0))
+    """The global step a checkpoint holds, read by the one checkpoint reader."""
+    from nag_lightning.checkpoint import read_saved
+
+    return read_saved(path).global_step
 
 
 def _is_first_process() -> bool:
@@ -248,12 +249,14 @@ def _resolve_last(config: Any, loggers: list[Any]) -> tuple[Path | None, int | N
     return (found[1], found[0]) if found else (None, None)
 
 
-def prepare_run_folder(config: Any, subcommand: str | None) -> RunFolder:
+def prepare_run_folder(config: Any, subcommand: str | None,
+                       step_of: Callable[[str], int] = checkpoint_step) -> RunFolder:
     """Resolve `ckpt_path: last` and give every folder logger of the run one claimed version.
 
     `config` is the parsed configuration of the subcommand (LightningCLI's namespace); it is
     edited in place: `ckpt_path` becomes a file path (or None), and each CSV/TensorBoard logger
-    without a version of its own gets the run's version.
+    without a version of its own gets the run's version. `step_of(path)` gives the step of the
+    checkpoint resumed from (the command line passes its own reader, so the file is read once).
     """
     folder = RunFolder()
     loggers = _folder_loggers(config.trainer.logger) if "trainer" in config else []
@@ -280,7 +283,7 @@ def prepare_run_folder(config: Any, subcommand: str | None) -> RunFolder:
         return folder
     if resume_version is not None:
         folder.version = resume_version
-        folder.resume_step = checkpoint_step(Path(config.ckpt_path))
+        folder.resume_step = step_of(config.ckpt_path)
         for args in unversioned:
             path = _root(args) / f"version_{resume_version}"
             path.mkdir(parents=True, exist_ok=True)

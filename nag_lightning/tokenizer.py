@@ -24,6 +24,7 @@ import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 
@@ -49,6 +50,9 @@ ENCODE_VERSION = 2
 BPE_SAMPLE_BYTES = 64 * 2**20
 # Corpus bytes that `coverage` compares with the bytes its tokens stand for.
 COVERAGE_SAMPLE_BYTES = 2**20
+# Largest vocabulary accepted: tables of one entry per id (bytes per id, the metric's lengths)
+# must stay small whatever id a tokenizer.json names (an id near 2**31 would ask for 16 GB).
+MAX_VOCAB = 2**21
 _WHITESPACE = b" \t\n\r\x0b\x0c"
 
 
@@ -112,15 +116,27 @@ class HFTokenizer(Tokenizer):
 
         try:
             self.hf = _Tokenizer.from_str(json_text)
-        except Exception as error:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:  # a panic of the Rust library included
             raise ValueError(
                 f"{spec} is not a Hugging Face tokenizer.json ({str(error)[:120]}); give the "
                 "tokenizer.json file of a `tokenizers` tokenizer, 'bytes', or 'bpe:<vocab size>'."
             ) from None
         self.json_text = json_text
         self.spec = spec
-        vocab = self.hf.get_vocab(with_added_tokens=True)
-        self.vocab_size = max(vocab.values()) + 1
+        ids = self.hf.get_vocab(with_added_tokens=True).values()
+        if not ids:
+            raise ValueError(
+                f"The tokenizer {spec} has an empty vocabulary; give a tokenizer.json with tokens."
+            )
+        self.vocab_size = max(ids) + 1
+        if self.vocab_size > MAX_VOCAB:
+            raise ValueError(
+                f"The tokenizer {spec} has a token id of {self.vocab_size - 1}, above the "
+                f"{MAX_VOCAB} ids this package handles (its tables have one entry per id); give a "
+                "tokenizer.json with a smaller vocabulary."
+            )
 
     def __getstate__(self) -> dict:  # for a child process: the JSON text rebuilds the rest
         return {"json_text": self.json_text, "spec": self.spec}
@@ -137,15 +153,18 @@ class HFTokenizer(Tokenizer):
         # under others (e.g. SentencePiece's, which marks the start of every input) they may change
         # the ids next to a cut, one in tens of thousands of bytes.
         pieces = split_text(data)
-        try:
-            texts = [p.decode("utf-8") for p in pieces]
-        except UnicodeDecodeError:  # not UTF-8: text would turn each stray byte into U+FFFD's 3
-            if self._by_words is not None:
-                words = [byte_words(self.hf.pre_tokenizer, p) for p in pieces]
-                encoded = self._by_words.encode_batch(words, is_pretokenized=True, add_special_tokens=False)
-                return torch.tensor([i for e in encoded for i in e.ids], dtype=self.dtype)
-            texts = [p.decode("utf-8", errors="replace") for p in pieces]
-        ids = [i for e in self.hf.encode_batch(texts, add_special_tokens=False) for i in e.ids]
+        with self._failures_said("encoding text"):
+            try:
+                texts = [p.decode("utf-8") for p in pieces]
+            except UnicodeDecodeError:  # not UTF-8: text would turn each stray byte into U+FFFD's 3
+                if self._by_words is not None:
+                    words = [byte_words(self.hf.pre_tokenizer, p) for p in pieces]
+                    encoded = self._by_words.encode_batch(
+                        words, is_pretokenized=True, add_special_tokens=False
+                    )
+                    return torch.tensor([i for e in encoded for i in e.ids], dtype=self.dtype)
+                texts = [p.decode("utf-8", errors="replace") for p in pieces]
+            ids = [i for e in self.hf.encode_batch(texts, add_special_tokens=False) for i in e.ids]
         return torch.tensor(ids, dtype=self.dtype)
 
     @cached_property
@@ -163,7 +182,26 @@ class HFTokenizer(Tokenizer):
 
     @cached_property
     def token_bytes(self) -> list[bytes]:
-        return vocabulary_bytes(self.hf, self.vocab_size)
+        with self._failures_said("reading its vocabulary"):
+            return vocabulary_bytes(self.hf, self.vocab_size)
+
+    @contextmanager
+    def _failures_said(self, doing: str) -> Iterator[None]:
+        """Any failure of the `tokenizers` library as one sentence: a tokenizer.json (perhaps a
+        checkpoint's) can make it fail in ways of its own, Rust panics included, which Python sees
+        as `pyo3_runtime.PanicException`, a BaseException."""
+        try:
+            yield
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as error:
+            if isinstance(error, ValueError) and str(error).startswith("The tokenizer "):
+                raise
+            reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+            raise ValueError(
+                f"The tokenizer {self.spec} failed while {doing} ({reason}); give a tokenizer.json "
+                "that the `tokenizers` library runs, e.g. one written by `nag-lightning prepare`."
+            ) from None
 
     def saved(self) -> dict:
         return {"spec": self.spec, "json": self.json_text}
@@ -305,8 +343,27 @@ def load_file(path: str) -> HFTokenizer:
     return HFTokenizer(file.read_text(encoding="utf-8"), spec=str(file))
 
 
-def load_saved(saved: object) -> Tokenizer:
-    """The tokenizer a checkpoint keeps (`Tokenizer.saved()`); bytes for checkpoints without one."""
+def load_saved(saved: object, vocab_size: int | None = None, source: str = "") -> Tokenizer:
+    """The tokenizer a checkpoint (at `source`) keeps (`Tokenizer.saved()`); bytes for checkpoints
+    without one. It is untrusted input: with the model's `vocab_size`, every id must be below it."""
+    tokenizer = _load_saved(saved)
+    if vocab_size is not None:
+        check_fits(tokenizer, vocab_size, source)
+    return tokenizer
+
+
+def check_fits(tokenizer: Tokenizer, vocab_size: int, source: str = "") -> None:
+    """One sentence unless every id of a checkpoint's (at `source`) `tokenizer` is below the model's
+    `vocab_size`: the model embeds the ids the tokenizer gives."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"The checkpoint {source + ' ' if source else ''}holds a tokenizer with ids up to "
+            f"{tokenizer.vocab_size - 1}, beyond the model's vocabulary of {vocab_size} ids; give "
+            "a checkpoint written by `nag-lightning fit`, whose tokenizer fits its model."
+        )
+
+
+def _load_saved(saved: object) -> Tokenizer:
     if saved is None:
         return Tokenizer()
     if not isinstance(saved, dict) or not isinstance(saved.get("spec"), str):

@@ -15,7 +15,6 @@ themselves (their own YAML or command line, as at fit time).
 
 from __future__ import annotations
 
-import os
 import pickle
 import warnings
 from collections.abc import Iterable, Mapping
@@ -72,6 +71,8 @@ def read_checkpoint(path: str | Path | IO[bytes], map_location: Any = "cpu") -> 
         )
     try:
         source = _fetch(path)
+    except ValueError:
+        raise
     except Exception as error:  # not found, refused, no network, no credentials, no fsspec driver
         raise _inaccessible(path, error) from None
     try:
@@ -116,7 +117,13 @@ def _download(url: str) -> str:
     """Fetch `url` afresh into the file Lightning's loader reads it from (torch.hub's checkpoint
     cache), so the Trainer restores the very bytes checked here, never an older file that happens
     to share the name."""
-    cached = Path(torch.hub.get_dir(), "checkpoints", os.path.basename(urlparse(url).path))
+    name = urlparse(url).path.rpartition("/")[2]
+    if name in ("", ".", ".."):  # the download would land in the cache folder itself
+        raise ValueError(
+            f"The checkpoint address {url} names no file (it ends in '/', '.' or '..'); give the "
+            "address of a .ckpt file, e.g. .../checkpoints/last.ckpt."
+        )
+    cached = Path(torch.hub.get_dir(), "checkpoints", name)
     cached.parent.mkdir(parents=True, exist_ok=True)
     torch.hub.download_url_to_file(url, str(cached), progress=False)
     return str(cached)
@@ -136,8 +143,12 @@ def _inaccessible(path: str, error: Exception) -> ValueError:
     )
 
 
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint file that is empty, truncated or not a torch file."""
+
+
 def _unreadable(path: str) -> ValueError:
-    return ValueError(
+    return UnreadableCheckpoint(
         f"The checkpoint {path} is not a readable checkpoint (empty, truncated or not a torch "
         "file); give a .ckpt file written by `nag-lightning fit`, or copy it again."
     )

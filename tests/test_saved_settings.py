@@ -80,7 +80,8 @@ def test_an_old_checkpoint_loads_validates_resumes_sweeps_and_generates(old_chec
                                   "--trainer.max_steps=3", "--model.arch.d_model=64",
                                   f"--ckpt_path={old_checkpoint}"], capsysbinary)
     assert status == 1 and "different architecture: model.arch.d_model=32 (this run: 64)" in err
-    status, out, err = run_command(["sweep", f"--ckpt_path={old_checkpoint}", "--val_batches=1",
+    own_data = [a.replace("--data.", "--") for a in data_args(old_checkpoint) if "max_bytes" not in a]
+    status, out, err = run_command(["sweep", f"--ckpt_path={old_checkpoint}", "--val_batches=1", *own_data,
                                     "--fit_batches=1", "--taus=[0.0]", f"--out_dir={tmp_path / 's'}"],
                                    capsysbinary)
     assert status == 0 and "threshold tau=0" in out, err[-2000:]

@@ -96,7 +96,8 @@ def test_sweep_attaches_and_fits_threshold_routers_to_a_model_trained_without_on
 
 def test_sweep_command_on_a_model_trained_without_router(checkpoints, workdir, capsys, monkeypatch):
     monkeypatch.chdir(workdir)
-    main(["sweep", "--ckpt_path", str(checkpoints["none"]), "--val_batches", "2", "--fit_batches", "4"])
+    main(["sweep", "--ckpt_path", str(checkpoints["none"]), "--val_batches", "2", "--fit_batches", "4",
+          "--cache_dir", str(workdir / "data_cache")])  # the checkpoint's own, named by the user
     out = checkpoints["none"].parents[1] / "sweep-last"  # in the run's folder, not the working one
     assert not (workdir / "sweep").exists()
     rows = read_rows(out / "sweep.csv")
@@ -116,7 +117,7 @@ def test_sweep_command_on_a_model_trained_without_router(checkpoints, workdir, c
 
 def test_sweep_of_a_threshold_checkpoint(checkpoints, workdir):
     paths = sweep(str(checkpoints["threshold"]), out_dir=str(workdir / "sweep_threshold"),
-                  taus=[0.0, 0.01, 0.1, 1.0], val_batches=2)
+                  taus=[0.0, 0.01, 0.1, 1.0], val_batches=2, cache_dir=str(workdir / "data_cache"))
     rows = read_rows(paths["csv"])
     threshold = [r for r in rows if r["method"] == "threshold"]
     assert [float(r["value"]) for r in threshold] == [0.0, 0.01, 0.1, 1.0]
@@ -127,7 +128,7 @@ def test_sweep_of_a_threshold_checkpoint(checkpoints, workdir):
 
 def test_sweep_of_a_topk_checkpoint_reports_predictor_agreement(checkpoints, workdir):
     paths = sweep(str(checkpoints["topk"]), out_dir=str(workdir / "sweep_topk"),
-                  capacities=[1.0, 0.75, 0.5], val_batches=2)
+                  capacities=[1.0, 0.75, 0.5], val_batches=2, cache_dir=str(workdir / "data_cache"))
     rows = read_rows(paths["csv"])
     exact = {float(r["value"]): r for r in rows if r["method"] == "topk"}
     assert float(exact[1.0]["mod_rate"]) == 0

@@ -269,7 +269,7 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
     from nag_lightning.analysis.sweep import sweep
 
     paths = sweep(str(ckpt), out_dir=str(tmp_path / "sweep"), taus=[0.0], val_batches=2,
-                  fit_batches=2)
+                  fit_batches=2, source=str(corpus), cache_dir=str(cache))
     [row] = [r for r in csv.DictReader(open(paths["csv"])) if r["method"] == "threshold"]
     dm = ByteDataModule(str(corpus), seq_len=32, batch_size=4, cache_dir=str(cache),
                         tokenizer="bpe:300")

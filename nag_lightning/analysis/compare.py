@@ -121,9 +121,9 @@ def _checkpoint_totals(run_dir: Path) -> dict[str, float]:
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     if not ckpt.is_file():
         return {}
-    from nag_lightning.trust import read_checkpoint
+    from nag_lightning.checkpoint import read_saved
 
-    state = read_checkpoint(ckpt).get("callbacks", {})
+    state = read_saved(ckpt).raw.get("callbacks", {})
     accounting = state.get("FlopAccounting")
     if not accounting:
         return {}

@@ -7,9 +7,11 @@ their settings, or the oracle of `Transformer.set_oracle`) and reads the counts 
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,39 +20,78 @@ from torch import Tensor
 from nag_lightning.flops import count_model
 from nag_lightning.model import Transformer
 
+if TYPE_CHECKING:
+    from nag_lightning.checkpoint import SavedCheckpoint
+
 DATA_OPTIONS = ("source", "cache_dir", "batch_size", "max_bytes", "val_fraction", "tokenizer")
 """The data module settings a checkpoint's run is evaluated with again."""
 
 
 def load_checkpoint(ckpt_path: str | Path, device: str, trust_checkpoint: bool = False):
-    """The `NAGLanguageModel` of a checkpoint, in eval mode on `device`, read as untrusted input
-    (`nag_lightning.trust`)."""
+    """The `NAGLanguageModel` of a checkpoint, in eval mode on `device`, read once as untrusted
+    input (`nag_lightning.checkpoint`)."""
+    from nag_lightning.checkpoint import read_saved
+
+    return saved_module(read_saved(ckpt_path), device, trust_checkpoint)
+
+
+def saved_module(saved: SavedCheckpoint, device: str, trust_checkpoint: bool = False):
+    """The `NAGLanguageModel` of a checkpoint already read, its plugins checked
+    (`nag_lightning.trust`), in eval mode on `device`."""
     from nag_lightning.module import NAGLanguageModel
 
-    module = NAGLanguageModel.load_from_checkpoint(
-        str(ckpt_path), map_location=device, trust_checkpoint=trust_checkpoint
-    )
-    return module.to(device).eval()
+    saved.check_plugins(trust_checkpoint)
+    return NAGLanguageModel.from_saved(saved).to(device).eval()
 
 
-def checkpoint_data(module, ckpt_path: str | Path, **overrides):
+def checkpoint_data(module, saved: SavedCheckpoint, use_saved_files: bool = False, **overrides):
     """A `ByteDataModule` with the data settings the checkpoint's run saved, `overrides` (not None)
-    on top, prepared; one sentence if its tokenizer differs from the checkpoint's."""
-    from nag_lightning.data import ByteDataModule
-    from nag_lightning.trust import read_checkpoint
+    on top, prepared; one sentence if its tokenizer differs from the checkpoint's.
 
-    saved = read_checkpoint(ckpt_path).get("datamodule_hyper_parameters", {})
-    options = {k: v for k, v in saved.items() if k in DATA_OPTIONS}
+    Saved settings that name files (`saved_file_settings`) are untrusted: they are used only with
+    `use_saved_files` (the user's --trust_checkpoint, or a study evaluating runs it trained), else
+    refused in one sentence that shows them."""
+    from nag_lightning.data import ByteDataModule
+
+    options = {k: v for k, v in saved.data.items() if k in DATA_OPTIONS}
     options.update({k: v for k, v in overrides.items() if v is not None})
+    named = saved_file_settings(saved.data, overrides)
+    if named and not use_saved_files:
+        shown = ", ".join(f"{k}={v!r}" for k, v in named.items())
+        flags = " and ".join(f"--{k}" for k in named if k != "tokenizer")
+        raise ValueError(
+            f"The checkpoint {saved.source} names files to read and write ({shown}), and a "
+            "checkpoint may come from anyone; "
+            + (f"give {flags} yourself (e.g. the values above, if they are yours), or " if flags else "")
+            + "pass --trust_checkpoint to use the saved ones."
+        )
     data = ByteDataModule(seq_len=module.config.seq_len, **options)
     if data.tokenizer != module.tokenizer:
         raise ValueError(
-            f"The checkpoint {ckpt_path} was trained on tokens of {module.tokenizer.describe()}, "
+            f"The checkpoint {saved.source} was trained on tokens of {module.tokenizer.describe()}, "
             f"but its data would now be tokenized with {data.tokenizer.describe()}; give the "
             "source and cache_dir it was trained with."
         )
     data.prepare_data()
     return data
+
+
+def saved_file_settings(saved: dict, overrides: dict) -> dict:
+    """The saved data settings that name files other than the defaults' and that `overrides` do
+    not replace: the corpus (`source`), the folder written (`cache_dir`), a tokenizer.json path."""
+    from nag_lightning.data import ByteDataModule
+    from nag_lightning.tokenizer import parse_spec
+
+    defaults = {k: p.default for k, p in inspect.signature(ByteDataModule.__init__).parameters.items()}
+    named = {}
+    for key in ("source", "cache_dir", "tokenizer"):
+        value = saved.get(key, defaults[key])
+        if overrides.get(key) is not None or value == defaults[key]:
+            continue
+        if key == "tokenizer" and isinstance(value, str) and parse_spec(value)[0] != "file":
+            continue  # bytes or a BPE trained in cache_dir: no file of its own
+        named[key] = value
+    return named
 
 
 def first_batches(loader: Iterable, n: int) -> list[Tensor]:

@@ -124,11 +124,13 @@ def held_out_bpb(ckpt: Path, batches: int, trust_checkpoint: bool = False) -> tu
     reports."""
     import torch
 
-    from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, load_checkpoint
+    from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, saved_module
+    from nag_lightning.checkpoint import read_saved
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    module = load_checkpoint(ckpt, device, trust_checkpoint)
-    data = checkpoint_data(module, ckpt)
+    saved = read_saved(ckpt)
+    module = saved_module(saved, device, trust_checkpoint)
+    data = checkpoint_data(module, saved, use_saved_files=True)  # a run the study trained itself
     data.setup("validate")
     val = first_batches(data.val_dataloader(), batches)
     half = len(val) // 2

@@ -22,18 +22,21 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from torch import Tensor
 
 from nag_lightning.analysis.checks import check_at_least_one, check_device, check_not_empty, check_seed
-from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, load_checkpoint
+from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, saved_module
 from nag_lightning.analysis.probes import attach_sweep_routers, fit_probes
 from nag_lightning.analysis.sweep_report import ORACLE, SweepRow, plot, report, write_csv
+from nag_lightning.checkpoint import read_saved
 from nag_lightning.flops import full_depth_forward_flops
 from nag_lightning.model import SUBLAYER_KINDS, Transformer
 from nag_lightning.registry import plugin_name
 from nag_lightning.routers import Router
+from nag_lightning.trust import is_remote
 
 
 def routed_routers(model: Transformer) -> list[Router]:
@@ -156,13 +159,15 @@ def sweep(
     trust_checkpoint: bool = False,
     values: list[float] | None = None,
     router_options: dict | None = None,
+    own_run: bool = False,
 ) -> dict[str, Path]:
     """Sweep a checkpoint's routing and write sweep.csv and sweep.png into `out_dir`.
 
     Args:
         ckpt_path: a .ckpt file written by `nag-lightning fit`.
         out_dir: folder for sweep.csv and sweep.png; None: `sweep-<checkpoint name>` in the run's
-            version folder (next to its checkpoints/ folder).
+            version folder (next to its checkpoints/ folder), or in the current directory for a
+            checkpoint given by URL.
         taus: thresholds in radians (router none or threshold); None picks them at quantiles of the
             predicted angles, spanning MoD rates from 0 to about 60%.
         capacities: top-k capacities to sweep (router topk); None: 1.0 down to 0.3.
@@ -171,26 +176,32 @@ def sweep(
         fit_lr: Adam learning rate of that fit.
         route_kinds: sublayer kinds threshold routers are attached to (router none only); None: both.
         oracle: also evaluate the oracle that skips on the measured angle (upper bound).
-        source: the text to evaluate on; None: the data the checkpoint was trained on.
-        cache_dir: folder of tokenized corpora; None: the checkpoint's.
+        source: the text to evaluate on; None: the data the checkpoint was trained on (a file the
+            checkpoint names is read only with this option or --trust_checkpoint).
+        cache_dir: folder of tokenized corpora; None: the checkpoint's (used only with
+            --trust_checkpoint, unless it is the default).
         batch_size: sequences per batch; None: the checkpoint's.
         max_bytes: cap on the corpus bytes; None: the checkpoint's.
         device: where to run ("cpu", "cuda").
         seed: seed of the attached probes' initialisation.
         trust_checkpoint: let the checkpoint's residual or router import and call a class path
-            outside the registered plugins; only for checkpoints whose origin you trust.
+            outside the registered plugins, and its data settings name the files to read and write;
+            only for checkpoints whose origin you trust.
         values: values of the router's setting to sweep, for any router (Router.sweep_setting);
             None: taus or capacities, else the router's defaults.
         router_options: options of the routers attached to a model trained without one, e.g.
             {predictor: angle}: skip on the angle NAG's gate plans, with no probe to fit (the
             threshold router's options, docs/routing.md). Only for such models.
+        own_run: the checkpoint is of a run this package trained for the caller (a study's), whose
+            data settings are used as saved; not a command-line option.
     """
     check_sweep_options(val_batches=val_batches, fit_batches=fit_batches, fit_lr=fit_lr, device=device,
                         seed=seed, values=values, taus=taus, capacities=capacities,
                         route_kinds=route_kinds)
-    module = load_checkpoint(ckpt_path, device, trust_checkpoint)
-    data = checkpoint_data(module, ckpt_path, source=source, cache_dir=cache_dir,
-                           batch_size=batch_size, max_bytes=max_bytes)
+    saved = read_saved(ckpt_path)  # the one read of the file
+    module = saved_module(saved, device, trust_checkpoint)
+    data = checkpoint_data(module, saved, trust_checkpoint or own_run, source=source,
+                           cache_dir=cache_dir, batch_size=batch_size, max_bytes=max_bytes)
     data.setup("fit")
     val = first_batches(data.val_dataloader(), val_batches)
     trained_routed = any(s.routed for s in module.model.sublayers)
@@ -224,7 +235,11 @@ def _name(spec: object) -> str:
 
 def default_out_dir(ckpt_path: str) -> Path:
     """`<version folder>/sweep-<checkpoint stem>` for a checkpoint in a run's checkpoints/ folder,
-    else `sweep-<stem>` beside the checkpoint: the results stay with the run they describe."""
+    else `sweep-<stem>` beside the checkpoint: the results stay with the run they describe. A
+    checkpoint given by URL has no folder here: `sweep-<stem>` in the current directory."""
+    if is_remote(ckpt_path):
+        stem = Path(urlparse(ckpt_path).path).stem
+        return Path(f"sweep-{stem}" if stem not in ("", ".", "..") else "sweep")
     ckpt = Path(ckpt_path)
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     return run_dir / f"sweep-{ckpt.stem}"
@@ -234,7 +249,8 @@ def sweep_command(args: list[str]) -> None:
     """`nag-lightning sweep`: accuracy against executed compute of a checkpoint's routing."""
     from nag_lightning.cli import flags_named, function_parser
 
-    options = function_parser(sweep, "nag-lightning sweep", sweep.__doc__.split("\n")[0]).parse_args(args)
+    parser = function_parser(sweep, "nag-lightning sweep", sweep.__doc__.split("\n")[0], skip=("own_run",))
+    options = parser.parse_args(args)
     with flags_named(options.as_dict()):  # the data module's errors name data.X; here the flag is --X
         paths = sweep(**options.as_dict())
     report(paths["csv"])

@@ -32,8 +32,9 @@ def sweep_run(ckpt: Path, out: Path, val_batches: int, fit_batches: int,
     if not table.is_file():
         from nag_lightning.analysis.sweep import sweep
 
+        # the depth study's runs were trained on the data its options named: their data settings hold
         sweep(str(ckpt), out_dir=str(out), val_batches=val_batches, fit_batches=fit_batches,
-              trust_checkpoint=trust_checkpoint, router_options=router_options)
+              trust_checkpoint=trust_checkpoint, router_options=router_options, own_run=True)
     with table.open() as handle:
         return [{k: (v if k in ("method", "setting") else float(v or "nan")) for k, v in row.items()}
                 for row in csv.DictReader(handle)]

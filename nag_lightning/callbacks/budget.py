@@ -137,6 +137,14 @@ class FlopBudget(L.Callback):
         return {"budget": self.budget, "stopped_at": self.stopped_at, "spent": self.spent}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        for key in ("budget", "stopped_at", "spent"):  # untrusted input: numbers or None
+            value = state_dict.get(key) if isinstance(state_dict, dict) else "?"
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value >= 0):
+                raise ValueError(
+                    f"The checkpoint's {type(self).__name__} state holds {key}={value!r}, not a "
+                    "non-negative number; give an undamaged checkpoint written by `nag-lightning fit`."
+                )
         self._saved_budget = state_dict.get("budget")
         self.stopped_at = state_dict.get("stopped_at")
         self.spent = state_dict.get("spent")

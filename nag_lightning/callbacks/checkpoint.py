@@ -26,6 +26,8 @@ state and is not saved.
 from __future__ import annotations
 
 import copy
+import os
+import posixpath
 from typing import Any
 
 import lightning as L
@@ -96,6 +98,21 @@ class RunCheckpoint(ModelCheckpoint):
             self._save_latest(trainer)
         finally:
             self._saving_on_exception = False
+
+    # ---- what is read back ----------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """ModelCheckpoint's, with the saved state treated as untrusted input: Lightning deletes
+        stale checkpoints by the paths it holds, so a path is kept only if it resolves inside this
+        run's checkpoint folder, and a score only if it is a number; whatever is dropped is said in
+        one line."""
+        kept = trusted_state(state_dict, self.dirpath)
+        if self.dirpath and kept.get("last_model_path") == "" and isinstance(state_dict, dict) \
+                and state_dict.get("last_model_path"):
+            # this folder's own last.ckpt, so a resumed run rewrites it rather than write last-v1
+            name = self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION
+            kept["last_model_path"] = os.path.join(self.dirpath, name)
+        super().load_state_dict(kept)
 
     # ---- what is written ------------------------------------------------------------------------
 
@@ -169,3 +186,67 @@ def _is_final_step(trainer: L.Trainer) -> bool:
         and trainer.current_epoch + 1 >= max_epochs
         and epoch_loop.batch_progress.current.ready >= trainer.num_training_batches
     )
+
+
+_PATH_KEYS = ("best_model_path", "kth_best_model_path", "last_model_path")
+_SCORE_KEYS = ("best_model_score", "kth_value", "current_score")
+
+
+def trusted_state(state: object, dirpath: str | None) -> dict[str, Any]:
+    """A ModelCheckpoint state read from a checkpoint, without the paths that lie outside `dirpath`
+    (the run's checkpoint folder; `..` and links resolved) and the scores that are not numbers.
+    The dropped entries are named in one warning."""
+    if not isinstance(state, dict):
+        rank_zero_warn(f"The checkpoint's {RunCheckpoint.__name__} state is not a mapping; it was dropped.")
+        return {"best_model_path": ""}
+    kept, dropped = dict(state), []
+    # A checkpoint of another run names its own folder's files: dropped without a word.
+    own = kept.get("dirpath") if isinstance(kept.get("dirpath"), str) else None
+    for key in _PATH_KEYS:
+        if key in kept and not _inside(kept[key], dirpath):
+            if not (own != dirpath and _inside(kept[key], own)):
+                dropped.append(f"{key}={kept[key]!r}")
+            kept[key] = ""
+    for key in _SCORE_KEYS:
+        if key in kept and kept[key] is not None and not _is_score(kept[key]):
+            dropped.append(f"{key}={kept[key]!r}")
+            kept[key] = None
+    if "best_k_models" in kept:
+        models = kept["best_k_models"]
+        models = models if isinstance(models, dict) else {}
+        good = {path: score for path, score in models.items() if _inside(path, dirpath) and _is_score(score)}
+        dropped += [f"best_k_models[{path!r}]" for path in models if path not in good]
+        if not isinstance(kept["best_k_models"], dict):
+            dropped.append(f"best_k_models={kept['best_k_models']!r}")
+        kept["best_k_models"] = good
+    if "best_model_path" not in kept:
+        kept["best_model_path"] = ""
+    if dropped:
+        rank_zero_warn(
+            f"The checkpoint's {RunCheckpoint.__name__} state names paths outside this run's checkpoint "
+            f"folder {dirpath} or scores that are not numbers, which were dropped: "
+            f"{', '.join(d[:120] for d in dropped)}."
+        )
+    return kept
+
+
+def _inside(path: object, folder: str | None) -> bool:
+    """Whether `path` is a non-empty local path that resolves inside `folder` (both resolved
+    against the working directory, as Lightning uses them), or empty (no file)."""
+    if path == "":
+        return True
+    if not isinstance(path, str) or folder is None:
+        return False
+    if "://" in path or "://" in str(folder):  # an object store: same scheme, and under the folder
+        scheme, _, rest = path.partition("://")
+        root_scheme, _, root = str(folder).partition("://")
+        rest, root = posixpath.normpath("/" + rest), posixpath.normpath("/" + root)
+        return scheme == root_scheme and rest.startswith(root.rstrip("/") + "/")
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([real, root]) == root and real != root
+
+
+def _is_score(value: object) -> bool:
+    if torch.is_tensor(value):
+        return value.numel() == 1 and (value.is_floating_point() or not value.dtype.is_complex)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

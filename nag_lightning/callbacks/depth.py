@@ -12,6 +12,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from nag_lightning.plotting import pyplot, save
@@ -80,7 +81,33 @@ class DepthDiagnostics(L.Callback):
         return {"history": self.history}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.history = list(state_dict.get("history", []))
+        """The history saved in a checkpoint, untrusted input: entries that are not what
+        `on_validation_end` records (the plot reads them at the end of training) are dropped, with
+        one warning."""
+        history = state_dict.get("history", []) if isinstance(state_dict, dict) else None
+        history = history if isinstance(history, list) else [history]
+        self.history = [entry for entry in history if _is_entry(entry)]
+        if len(self.history) != len(history):
+            rank_zero_warn(
+                f"The checkpoint's {type(self).__name__} history holds "
+                f"{len(history) - len(self.history)} entries that are not depth diagnostics; they "
+                "were dropped."
+            )
+
+
+def _is_entry(entry: object) -> bool:
+    """Whether `entry` is one validation's diagnostics: a step and equally long lists of labels
+    and numbers."""
+    step = entry.get("step") if isinstance(entry, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int):
+        return False
+    labels = entry.get("labels")
+    if not isinstance(labels, list) or not all(isinstance(label, str) for label in labels):
+        return False
+    numbers = [entry.get(key) for key in ("mean", "norm", *(f"q{q}" for q in QUANTILES))]
+    return all(isinstance(values, list) and len(values) == len(labels)
+               and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+               for values in numbers)
 
 
 def plot_depth(history: list[dict], path: Path, title: str) -> Path:

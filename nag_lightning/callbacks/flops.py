@@ -220,12 +220,27 @@ class FlopAccounting(L.Callback):
                 "tokens": self.tokens, "samples": self.samples, "steps": self.steps}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.forward_flops = int(state_dict["forward_flops"])
+        self.forward_flops = saved_count(state_dict, "forward_flops", None, self)
         # saved before routers counted their own backward: 3 x forward, as it was counted then
-        self.training_flops = int(state_dict.get("training_flops", TRAINING_MULTIPLIER * self.forward_flops))
-        self.tokens = int(state_dict["tokens"])
-        self.samples = int(state_dict.get("samples", 0))
-        self.steps = int(state_dict.get("steps", 0))
+        older = TRAINING_MULTIPLIER * self.forward_flops
+        self.training_flops = saved_count(state_dict, "training_flops", older, self)
+        self.tokens = saved_count(state_dict, "tokens", None, self)
+        self.samples = saved_count(state_dict, "samples", 0, self)
+        self.steps = saved_count(state_dict, "steps", 0, self)
+
+
+def saved_count(state: object, key: str, default: int | None, callback: object) -> int:
+    """`state[key]` (a callback's state read from a checkpoint, untrusted) as a non-negative
+    integer, else one sentence; `default` when absent (None: required)."""
+    value = state.get(key, default) if isinstance(state, dict) else None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"The checkpoint's {type(callback).__name__} state holds {key}={value!r}, not a count; "
+            "give an undamaged checkpoint written by `nag-lightning fit`."
+        )
+    return value
 
 
 def find_accounting(trainer: L.Trainer) -> FlopAccounting | None:
