@@ -13,7 +13,8 @@ def run_command(args: list[str], capsys) -> tuple[int, str, str]:
         status = 0
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1
-    out, err = capsys.readouterr()
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
     if isinstance(out, bytes):
         out, err = out.decode("utf-8", errors="replace"), err.decode("utf-8", errors="replace")
     return status, out, err
