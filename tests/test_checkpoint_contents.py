@@ -111,7 +111,7 @@ def callback_state(checkpoint: dict) -> dict:
 
 @pytest.mark.parametrize("resume", ["last", "file"])
 def test_crafted_callback_paths_delete_and_write_nothing_outside_the_run(
-        resume, trained, workdir, tmp_path, capsys, monkeypatch):
+        resume, trained, workdir, tmp_path, capsysbinary, monkeypatch):
     last = copy_run(trained, tmp_path)
     victim = tmp_path / "victim.ckpt"
     victim.write_text("kept")
@@ -135,7 +135,7 @@ def test_crafted_callback_paths_delete_and_write_nothing_outside_the_run(
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         status, err = run_cli(fit(workdir, f"--ckpt_path={ckpt}", "--trainer.max_steps=9",
-                                  "--trainer.val_check_interval=1"), capsys)
+                                  "--trainer.val_check_interval=1"), capsysbinary)
     assert status == 0, err[-3000:]
     assert victim.is_file() and victim.read_text() == "kept"
     assert files_outside(tmp_path, tmp_path / "runs") == before
@@ -176,7 +176,7 @@ def test_trusted_state_keeps_paths_inside_the_folder_only(tmp_path):
     ("loader", [{"dataset": {"seed": "x"}}], "data loader state does not fit this data"),
 ])
 def test_garbage_numbers_in_a_checkpoint_are_one_sentence(where, value, said, trained, workdir,
-                                                          tmp_path, capsys, monkeypatch):
+                                                          tmp_path, capsysbinary, monkeypatch):
     def craft(checkpoint: dict) -> None:
         if where == "progress":
             checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] = value
@@ -189,7 +189,8 @@ def test_garbage_numbers_in_a_checkpoint_are_one_sentence(where, value, said, tr
 
     ckpt = edited(last_of(trained), tmp_path / "garbage.ckpt", craft)
     monkeypatch.chdir(tmp_path)
-    sentence = one_sentence(*run_cli(fit(workdir, f"--ckpt_path={ckpt}", "--trainer.max_steps=5"), capsys))
+    args = fit(workdir, f"--ckpt_path={ckpt}", "--trainer.max_steps=5")
+    sentence = one_sentence(*run_cli(args, capsysbinary))
     assert said in sentence
 
 
@@ -225,7 +226,7 @@ def counted_reads(monkeypatch):
 
 @pytest.mark.parametrize("name", ["generate", "sweep", "validate", "test", "fit-file", "fit-last",
                                   "compare"])
-def test_every_command_reads_a_checkpoint_file_exactly_once(name, trained, workdir, tmp_path, capsys,
+def test_every_command_reads_a_checkpoint_file_exactly_once(name, trained, workdir, tmp_path, capsysbinary,
                                                             monkeypatch, counted_reads):
     last = copy_run(trained, tmp_path)
     # without FLOP columns in its metrics, compare reads the totals from the run's last.ckpt
@@ -241,12 +242,12 @@ def test_every_command_reads_a_checkpoint_file_exactly_once(name, trained, workd
         "fit-last": fit(workdir, "--ckpt_path=last", "--trainer.max_steps=4"),
         "compare": ["compare", str(last.parents[1]), "--out", str(tmp_path / "compare")],
     }[name]
-    status, err = run_cli(args, capsys)
+    status, err = run_cli(args, capsysbinary)
     assert status == 0, err[-3000:]
     assert counted_reads.get(os.path.realpath(last)) == 1, counted_reads
 
 
-def test_the_trainer_restores_the_dict_already_read(trained, workdir, tmp_path, capsys, monkeypatch):
+def test_the_trainer_restores_the_dict_already_read(trained, workdir, tmp_path, capsysbinary, monkeypatch):
     """A file swapped after the command read it changes nothing: Lightning restores the state read
     and checked first, not what the path holds by then."""
     from nag_lightning import cli
@@ -260,7 +261,8 @@ def test_the_trainer_restores_the_dict_already_read(trained, workdir, tmp_path, 
 
     monkeypatch.setattr(cli, "preloaded_checkpoint_io", swap_then_install)
     monkeypatch.chdir(tmp_path)
-    status, err = run_cli(["validate", "--config", DEBUG, *data_args(workdir), f"--ckpt_path={last}"], capsys)
+    args = ["validate", "--config", DEBUG, *data_args(workdir), f"--ckpt_path={last}"]
+    status, err = run_cli(args, capsysbinary)
     assert status == 0, err[-3000:]
     assert last.read_bytes() == b"swapped"
 
@@ -269,7 +271,7 @@ def test_the_trainer_restores_the_dict_already_read(trained, workdir, tmp_path, 
 
 
 def test_sweep_uses_data_files_a_checkpoint_names_only_with_the_users_say(trained, workdir, tmp_path,
-                                                                         capsys, monkeypatch):
+                                                                         capsysbinary, monkeypatch):
     elsewhere = tmp_path / "elsewhere"
 
     def craft(checkpoint: dict) -> None:
@@ -277,19 +279,19 @@ def test_sweep_uses_data_files_a_checkpoint_names_only_with_the_users_say(traine
 
     ckpt = str(edited(last_of(trained), tmp_path / "data.ckpt", craft))
     monkeypatch.chdir(tmp_path)
-    sentence = one_sentence(*run_cli(sweep_args(ckpt, workdir, tmp_path / "s", data=False), capsys))
+    sentence = one_sentence(*run_cli(sweep_args(ckpt, workdir, tmp_path / "s", data=False), capsysbinary))
     assert str(workdir / "corpus.txt") in sentence and str(elsewhere) in sentence
     assert "--source and --cache_dir" in sentence and "--trust_checkpoint" in sentence
     assert not elsewhere.exists() and not (tmp_path / "s").exists()
     # the user names the corpus but not the folder: the saved folder is still refused
     corpus = f"--source={workdir / 'corpus.txt'}"
     only_source = [*sweep_args(ckpt, workdir, tmp_path / "s", data=False), corpus]
-    sentence = one_sentence(*run_cli(only_source, capsys))
+    sentence = one_sentence(*run_cli(only_source, capsysbinary))
     assert "(cache_dir=" in sentence and "source='" not in sentence
     assert not elsewhere.exists()
     # trusted: the saved settings are used, the corpus tokenized into the saved folder
     status, err = run_cli(sweep_args(ckpt, workdir, tmp_path / "s", "--trust_checkpoint=true", data=False),
-                          capsys)
+                          capsysbinary)
     assert status == 0, err[-2000:]
     assert elsewhere.is_dir()
 
@@ -325,7 +327,7 @@ TOKENIZERS = {
 @pytest.mark.parametrize("case", list(TOKENIZERS))
 @pytest.mark.parametrize("name", ["generate", "sweep"])
 def test_a_tokenizer_that_does_not_fit_or_fails_is_one_sentence(name, case, trained, workdir, tmp_path,
-                                                                capsys, monkeypatch):
+                                                                capsysbinary, monkeypatch):
     text, said = TOKENIZERS[case]
     if name == "sweep" and case in ("backtracking", "fewer-ids"):
         pytest.skip("the sweep neither encodes nor decodes with the checkpoint's tokenizer")
@@ -337,7 +339,7 @@ def test_a_tokenizer_that_does_not_fit_or_fails_is_one_sentence(name, case, trai
     monkeypatch.chdir(tmp_path)
     args = (["generate", f"--ckpt_path={ckpt}", "--prompt", "a" * 40 + "b", "--max_new_tokens=1"]
             if name == "generate" else sweep_args(ckpt, workdir, tmp_path / "s"))
-    assert said in one_sentence(*run_cli(args, capsys))
+    assert said in one_sentence(*run_cli(args, capsysbinary))
 
 
 # ---- 5. checkpoints by URL ----------------------------------------------------------------------
@@ -361,8 +363,8 @@ def served(trained, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["generate", "validate", "sweep"])
-def test_a_checkpoint_by_url_is_fetched_and_read_once(name, served, workdir, tmp_path, capsys, monkeypatch,
-                                                      counted_reads):
+def test_a_checkpoint_by_url_is_fetched_and_read_once(name, served, workdir, tmp_path, capsysbinary,
+                                                      monkeypatch, counted_reads):
     monkeypatch.chdir(tmp_path)
     url = f"{served}/{RUN}/version_0/checkpoints/last.ckpt"
     fetches = []
@@ -378,28 +380,29 @@ def test_a_checkpoint_by_url_is_fetched_and_read_once(name, served, workdir, tmp
         "validate": ["validate", "--config", DEBUG, *data_args(workdir), f"--ckpt_path={url}"],
         "sweep": sweep_args(url, workdir, tmp_path / "s"),
     }[name]
-    status, err = run_cli(args, capsys)
+    status, err = run_cli(args, capsysbinary)
     assert status == 0, err[-3000:]
     assert len(fetches) == 1
     assert list(counted_reads.values()) == [1], counted_reads
 
 
 @pytest.mark.parametrize("tail", ["/", "/..", "/."])
-def test_a_url_naming_no_file_is_one_sentence_and_leaves_nothing(tail, served, tmp_path, capsys,
+def test_a_url_naming_no_file_is_one_sentence_and_leaves_nothing(tail, served, tmp_path, capsysbinary,
                                                                   monkeypatch):
     monkeypatch.chdir(tmp_path)
     url = f"{served}/{RUN}{tail}"
-    sentence = one_sentence(*run_cli(["generate", f"--ckpt_path={url}"], capsys))
+    sentence = one_sentence(*run_cli(["generate", f"--ckpt_path={url}"], capsysbinary))
     assert "names no file" in sentence
     hub = tmp_path / "torch_home"
     assert not hub.exists() or not [p for p in hub.rglob("*") if p.is_file()]
 
 
-def test_sweep_of_a_url_writes_into_the_working_directory(served, workdir, tmp_path, capsys, monkeypatch):
+def test_sweep_of_a_url_writes_into_the_working_directory(served, workdir, tmp_path, capsysbinary,
+                                                          monkeypatch):
     monkeypatch.chdir(tmp_path)
     url = f"{served}/{RUN}/version_0/checkpoints/last.ckpt"
     args = [a for a in sweep_args(url, workdir, tmp_path) if not a.startswith("--out_dir")]
-    status, err = run_cli(args, capsys)
+    status, err = run_cli(args, capsysbinary)
     assert status == 0, err[-2000:]
     assert (tmp_path / "sweep-last" / "sweep.csv").is_file()
     assert not (tmp_path / "http:").exists()
@@ -410,17 +413,17 @@ def test_sweep_of_a_url_writes_into_the_working_directory(served, workdir, tmp_p
 
 @pytest.mark.parametrize("damage", ["empty", "truncated"])
 def test_resuming_from_a_damaged_last_names_it_and_the_checkpoint_to_use(damage, trained, workdir,
-                                                                         tmp_path, capsys, monkeypatch):
+                                                                         tmp_path, capsysbinary, monkeypatch):
     last = copy_run(trained, tmp_path)
     data = last.read_bytes()
     last.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
     other = next(last.parent.glob("step*.ckpt"))
     monkeypatch.chdir(tmp_path)
-    sentence = one_sentence(*run_cli(fit(workdir, "--ckpt_path=last", "--trainer.max_steps=5"), capsys))
+    sentence = one_sentence(*run_cli(fit(workdir, "--ckpt_path=last", "--trainer.max_steps=5"), capsysbinary))
     assert f"{RUN / 'version_0' / 'checkpoints' / 'last.ckpt'}" in sentence and "is damaged" in sentence
     assert f"--ckpt_path {RUN / 'version_0' / 'checkpoints' / other.name}" in sentence
     other.unlink()
-    sentence = one_sentence(*run_cli(fit(workdir, "--ckpt_path=last", "--trainer.max_steps=5"), capsys))
+    sentence = one_sentence(*run_cli(fit(workdir, "--ckpt_path=last", "--trainer.max_steps=5"), capsysbinary))
     assert "no other checkpoint" in sentence and "start a new run" in sentence
 
 
@@ -441,7 +444,7 @@ CONTENTS = {
 @pytest.mark.parametrize("case", list(CONTENTS))
 @pytest.mark.parametrize("name", ["generate", "sweep", "validate"])
 def test_checkpoint_contents_that_do_not_fit_are_one_sentence(name, case, trained, workdir, tmp_path,
-                                                              capsys, monkeypatch):
+                                                              capsysbinary, monkeypatch):
     edit, said = CONTENTS[case]
     ckpt = str(edited(last_of(trained), tmp_path / "bad.ckpt", edit))
     monkeypatch.chdir(tmp_path)
@@ -450,4 +453,4 @@ def test_checkpoint_contents_that_do_not_fit_are_one_sentence(name, case, traine
         "sweep": sweep_args(ckpt, workdir, tmp_path / "s"),
         "validate": ["validate", "--config", DEBUG, *data_args(workdir), f"--ckpt_path={ckpt}"],
     }[name]
-    assert said in one_sentence(*run_cli(args, capsys))
+    assert said in one_sentence(*run_cli(args, capsysbinary))
