@@ -133,7 +133,11 @@ def main() -> None:
     parser.add_argument("--weight_decay", type=float, default=0.1)
     parser.add_argument("--eval_every", type=int, default=250)
     parser.add_argument("--out", default="runs/task_probe")
+    parser.add_argument("--table", action="store_true", help="print the cached runs under --out as a table")
     args = parser.parse_args()
+    if args.table:
+        print(table(Path(args.out)))
+        return
     lrs = json.loads(args.lrs)
     args.lr = {r: float(lrs.get(r, args.lr)) for r in args.residuals}
     out = Path(args.out)
@@ -148,6 +152,26 @@ def main() -> None:
                     continue
                 result = train(args, residual, depth, seed)
                 path.write_text(json.dumps(result, indent=1))
+
+
+def table(out: Path) -> str:
+    """One markdown row per cached run: accuracy per level (%), seconds, and the Spearman
+    correlations of compute with difficulty where the run recorded them."""
+    runs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    runs.sort(key=lambda r: (r["task"], r["residual"], r["depth"], r["seed"]))
+    levels = sorted({int(k) for r in runs for k in r["levels"]})
+    head = ["task", "residual", "blocks", "seed", *[f"acc {k}" for k in levels], "s",
+            "rho angle", "rho planned"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in runs:
+        rho = r.get("spearman", {})
+        acc = r["levels"]
+        cells = [r["task"], r["residual"], str(r["depth"]), str(r["seed"]),
+                 *[f"{100 * acc[str(k)]['acc']:.1f}" if str(k) in acc else "" for k in levels],
+                 f"{r['seconds']:.0f}",
+                 *[f"{rho[m]['answers']:.2f}" if m in rho else "" for m in ("angle", "planned")]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
