@@ -453,19 +453,24 @@ def _sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *a
 
 
 def flop_counter_mode(**kwargs: Any):
-    """`FlopCounterMode`, plus the formulas of the fused CPU attention kernel, forward and backward.
+    """`FlopCounterMode`, plus the formulas of the fused CPU attention kernel, forward and backward,
+    with every fused attention backward counted as math attention's.
 
     torch's registry has FLOP formulas for the CUDA flash / memory-efficient / cuDNN attention
     kernels but not for `_scaled_dot_product_flash_attention_for_cpu` and its backward, so on CPU
     attention would count 0. This adds the formulas torch uses for the CUDA kernels (the whole
     block) and counts its backward as math attention's matrix products, so a measured training
-    pass matches the analytic 3 x forward.
+    pass matches the analytic 3 x forward. The CUDA kernels' backward is counted the same way,
+    without the recomputation of the scores that torch's formula for them adds.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
     aten = torch.ops.aten
     mapping = {aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops,
-               aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flops}
+               aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flops,
+               aten._scaled_dot_product_flash_attention_backward: _sdpa_backward_flops,
+               aten._scaled_dot_product_efficient_attention_backward: _sdpa_backward_flops,
+               aten._scaled_dot_product_cudnn_attention_backward: _sdpa_backward_flops}
     mapping.update(kwargs.pop("custom_mapping", {}) or {})
     return FlopCounterMode(display=kwargs.pop("display", False), custom_mapping=mapping, **kwargs)
 
