@@ -142,7 +142,7 @@ def test_throughput_and_mfu_come_from_lightnings_throughput(tmp_path):
 
 
 class Linear(L.LightningModule):
-    """Not a nag_lightning model, and without a way to count it."""
+    """Not a nag_lightning model, and without a counter of its own."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -176,9 +176,14 @@ def test_any_lightning_module_can_be_counted_through_flop_counter(tmp_path):
     assert seen[-1]["executed_fraction"] == 0.5 and seen[-1]["executed_params_per_token"] == SEQ + 1
 
 
-def test_a_module_that_cannot_be_counted_is_told_how(tmp_path):
-    with pytest.raises(ValueError, match="flop_counter"):
-        trainer(tmp_path, [FlopAccounting()], max_steps=1).fit(Linear(), loader())
+def test_a_module_without_a_counter_is_measured(tmp_path):
+    accounting = FlopAccounting()
+    trainer(tmp_path, [accounting], max_steps=3).fit(Linear(), loader())
+    # by hand: the (B, SEQ + 1) x (SEQ + 1, 1) product forward, and the weight's gradient backward
+    # (the input needs none)
+    assert accounting.forward_flops == 3 * 2 * BATCH * (SEQ + 1)
+    assert accounting.training_flops == 3 * 4 * BATCH * (SEQ + 1)
+    assert accounting.tokens == 3 * BATCH * SEQ  # targets: batch[:, 1:]
 
 
 # ---- checkpoints and resume ------------------------------------------------------------------------

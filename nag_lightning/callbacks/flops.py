@@ -13,10 +13,12 @@ passes did (`nag_lightning.flops.StepFlops`), sums that over all ranks with one 
                                      `lightning.fabric.utilities.throughput.Throughput`
 
 Which model: a LightningModule that defines `flop_counter(self) -> FlopCounter` is asked through
-it; otherwise `pl_module.model` must be a `nag_lightning.model.Transformer`, counted by
-`TransformerFlopCounter`. Other callbacks (the FLOP budget) read the totals in their own hooks,
-after asking it to `count` the batch (which it does once, whichever hook runs first); this one
-knows none of them. Scripts and tests that watch every counted step subscribe with `add_listener`.
+it; a `nag_lightning.model.Transformer` in `pl_module.model` is counted exactly from the tokens it
+executed (`TransformerFlopCounter`); any other module is measured with FlopCounterMode, once per
+batch shape (`nag_lightning.callbacks.measured`). Other callbacks (the FLOP budget) read the
+totals in their own hooks, after asking it to `count` the batch (which it does once, whichever
+hook runs first); this one knows none of them. Scripts and tests that watch every counted step
+subscribe with `add_listener`.
 
 Rates: `Throughput` keeps a window of `window_size` steps and reports rates once it is full. MFU needs
 the device's peak FLOPs; Lightning knows them for common GPUs. Elsewhere (CPU) give `peak_flops`;
@@ -33,6 +35,7 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from nag_lightning.callbacks.measured import MeasuredFlopCounter
 from nag_lightning.flops import TRAINING_MULTIPLIER, FlopCounter, StepFlops, TransformerFlopCounter
 from nag_lightning.model import Transformer
 
@@ -40,17 +43,14 @@ Listener = Callable[[L.Trainer, "FlopAccounting"], None]
 
 
 def resolve_counter(pl_module: L.LightningModule) -> FlopCounter:
-    """The module's own `flop_counter()`, or a `TransformerFlopCounter` of `pl_module.model`."""
+    """The module's own `flop_counter()`, a `TransformerFlopCounter` of `pl_module.model`, or
+    else a `MeasuredFlopCounter` of the module."""
     if hasattr(pl_module, "flop_counter"):
         return pl_module.flop_counter()
     model = getattr(pl_module, "model", None)
     if isinstance(model, Transformer):
         return TransformerFlopCounter(model)
-    raise ValueError(
-        f"FlopAccounting cannot count {type(pl_module).__name__}: define a method "
-        "`flop_counter(self)` returning an object whose `step()` gives "
-        "nag_lightning.flops.StepFlops, or keep a nag_lightning Transformer in `self.model`."
-    )
+    return MeasuredFlopCounter(pl_module)
 
 
 def _compute_dtype(trainer: L.Trainer) -> torch.dtype:
@@ -125,9 +125,14 @@ class FlopAccounting(L.Callback):
         )
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if isinstance(self.counter, TransformerFlopCounter):
+        if isinstance(self.counter, (TransformerFlopCounter, MeasuredFlopCounter)):
             self.counter.remove()
         self.counter = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+                     ) -> None:
+        if isinstance(self.counter, MeasuredFlopCounter):
+            self.counter.remove()  # a step measured when it failed must not leave its counter on
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._seen_step = trainer.global_step
@@ -136,6 +141,20 @@ class FlopAccounting(L.Callback):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._clock = time.perf_counter()  # validation time is not training time
+
+    # A measured module's step runs under FlopCounterMode from the batch's start to the optimizer
+    # step when its batch shape is new (nag_lightning.callbacks.measured).
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if isinstance(self.counter, MeasuredFlopCounter):
+            self.counter.start(batch)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if isinstance(self.counter, MeasuredFlopCounter):
+            self.counter.forward_done()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if isinstance(self.counter, MeasuredFlopCounter):
+            self.counter.finish()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.count(trainer, pl_module, batch_idx)
