@@ -16,7 +16,19 @@ The stop is `trainer.should_stop`, so Lightning runs a last validation at that s
 number of an iso-FLOP table) and honours `trainer.min_steps` / `min_epochs` if they are set.
 
 `progress`, the fraction of the budget spent so far, places the decay of the warmup-stable-decay
-learning-rate schedule (`model.schedule: wsd`) at the end of each run's own budget.
+learning-rate schedule (`model.schedule: wsd`) at the end of each run's own budget. Any module opts
+in the same way: its scheduler reads `progress` at every step, e.g. a linear decay toward zero at
+the end of the budget (Lightning steps schedulers before the callbacks' end of the batch, so a
+step's rate follows the FLOPs spent up to the step before it):
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        budget = find_budget(self.trainer)
+        decay = LambdaLR(optimizer, lambda step: 1.0 - budget.progress)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+(`nag_lightning.module.warmup_stable_decay(step, warmup, budget.progress, decay_fraction,
+min_ratio)` gives the package's own schedule.)
 """
 
 from __future__ import annotations
@@ -36,7 +48,9 @@ class FlopBudget(L.Callback):
     Args:
         budget: training FLOPs to spend (3 x forward, summed over all ranks), e.g. 2.0e13.
         reference_tokens: spend what the full-depth, unrouted baseline of this model's config spends
-            on this many tokens (at the model's seq_len).
+            on this many tokens (at the model's seq_len). For a model of this package, or one whose
+            FLOP counter or LightningModule defines `full_depth_forward_flops_per_token()`; a
+            measured module has no baseline to refer to.
     """
 
     def __init__(self, budget: float | None = None, reference_tokens: int | None = None) -> None:
@@ -81,11 +95,14 @@ class FlopBudget(L.Callback):
         self._saved_budget = None
         if self.reference_tokens is not None:
             counter = accounting.ensure_counter(pl_module)
-            per_token = getattr(counter, "full_depth_forward_flops_per_token", None)
+            per_token = (getattr(counter, "full_depth_forward_flops_per_token", None)
+                         or getattr(pl_module, "full_depth_forward_flops_per_token", None))
             if per_token is None:
                 raise ValueError(
-                    f"{type(counter).__name__} cannot say what the full-depth baseline spends per "
-                    "token; give the budget in FLOPs (budget=...) instead of reference_tokens."
+                    f"Neither {type(pl_module).__name__} nor its {type(counter).__name__} can say "
+                    "what the full-depth baseline spends per token; give the budget in FLOPs "
+                    "(budget=...) instead of reference_tokens, or define "
+                    "`full_depth_forward_flops_per_token(self)` on the module."
                 )
             self.budget = float(TRAINING_MULTIPLIER * per_token() * self.reference_tokens)
             rank_zero_info(
@@ -148,3 +165,9 @@ class FlopBudget(L.Callback):
         self._saved_budget = state_dict.get("budget")
         self.stopped_at = state_dict.get("stopped_at")
         self.spent = state_dict.get("spent")
+
+
+def find_budget(trainer: L.Trainer) -> FlopBudget | None:
+    """The trainer's FlopBudget callback, if it has one: what a learning-rate schedule reads
+    `progress` from."""
+    return next((c for c in trainer.callbacks if isinstance(c, FlopBudget)), None)
