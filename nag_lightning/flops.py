@@ -375,7 +375,8 @@ class StepFlops(NamedTuple):
 @runtime_checkable
 class FlopCounter(Protocol):
     """Counts a model's training forward passes. A LightningModule that is not built on
-    `Transformer` plugs into `FlopAccounting` by defining `flop_counter(self) -> FlopCounter`.
+    `Transformer` plugs into `FlopAccounting` by defining `flop_counter(self) -> FlopCounter`
+    (without one it is measured: `nag_lightning.callbacks.measured`).
 
     `step()` is called after each training batch and describes the last forward pass;
     `full_depth_forward_flops_per_token()` (optional) is what a FLOP budget given as a number of
