@@ -81,6 +81,7 @@ class MeasuredFlopCounter:
 
     def start(self, batch: object) -> None:
         """At the start of a training batch: read its tokens, and measure it if its shape is new."""
+        self.remove()  # a measured batch that never ended (the module skipped it) counts nothing
         leaves = tensor_leaves(batch)
         self._key = tuple((tuple(t.shape), t.dtype) for t in leaves)
         self._tokens = self.tokens(batch)
@@ -92,8 +93,8 @@ class MeasuredFlopCounter:
             self._mode.__enter__()
 
     def forward_done(self) -> None:
-        """Before the backward: what the mode counted so far is the forward (and the loss)."""
-        if self._mode is not None:
+        """Before the (first) backward: what the mode counted so far is the forward and the loss."""
+        if self._mode is not None and self._forward is None:
             self._forward = float(self._mode.get_total_flops())
 
     def finish(self) -> None:
@@ -133,7 +134,7 @@ class MeasuredFlopCounter:
         )
 
     def remove(self) -> None:
-        """Leave FlopCounterMode if a step that was measured ended in an exception."""
+        """Leave FlopCounterMode, discarding the measurement, if a measured step did not end."""
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
