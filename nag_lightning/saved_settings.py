@@ -98,5 +98,5 @@ def legacy_layout_sentence(where: str, keys: list[str]) -> str:
         f"({', '.join(architecture_fields())}) now live under model.arch: write "
         f"model.arch.{keys[0]} for model.{keys[0]}, and a plugin's options in "
         "model.arch.residual_options or model.arch.router_options rather than class_path/init_args "
-        "(README, 'Configs written before model.arch')."
+        "(docs/usage.md, 'Configs written before model.arch')."
     )

@@ -1,6 +1,6 @@
 """A residual strategy and a router written outside the package, named by class path and registered
 nowhere, go through every command: fit, validate, sweep, generate, compare and the studies' runs.
-This is what the "Extending" checklists of the README and docs/routing.md promise."""
+This is what the extending checklists of docs/extending.md and docs/routing.md promise."""
 
 from __future__ import annotations
 
