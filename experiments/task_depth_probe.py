@@ -158,15 +158,15 @@ def table(out: Path) -> str:
     """One markdown row per cached run: accuracy per level (%), seconds, and the Spearman
     correlations of compute with difficulty where the run recorded them."""
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-    runs.sort(key=lambda r: (r["task"], r["residual"], r["depth"], r["seed"]))
+    runs.sort(key=lambda r: (r["task"], r["residual"], r["lr"], r["depth"], r["seed"]))
     levels = sorted({int(k) for r in runs for k in r["levels"]})
-    head = ["task", "residual", "blocks", "seed", *[f"acc {k}" for k in levels], "s",
+    head = ["task", "residual", "lr", "blocks", "seed", *[f"acc {k}" for k in levels], "s",
             "rho angle", "rho planned"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in runs:
         rho = r.get("spearman", {})
         acc = r["levels"]
-        cells = [r["task"], r["residual"], str(r["depth"]), str(r["seed"]),
+        cells = [r["task"], r["residual"], f"{r['lr']:g}", str(r["depth"]), str(r["seed"]),
                  *[f"{100 * acc[str(k)]['acc']:.1f}" if str(k) in acc else "" for k in levels],
                  f"{r['seconds']:.0f}",
                  *[f"{rho[m]['answers']:.2f}" if m in rho else "" for m in ("angle", "planned")]]
