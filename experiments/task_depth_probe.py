@@ -8,6 +8,12 @@ settings under `--out`, so a list of runs resumes where it stopped:
     OMP_NUM_THREADS=1 python experiments/task_depth_probe.py --task state \
         --task_options '{"group": "S3", "max_len": 8}' --residuals prenorm nag --depths 2 8 --seeds 1 2
 
+With `--router` every sublayer is routed (e.g. `--router threshold --router_options
+'{"predictor": "angle", "target_rate": 0.25}'`), and with `--iso_flop` a routed run trains until it has
+spent the training FLOPs (the package's exact count, `TransformerFlopCounter`) that the full-depth
+model spends in `--steps` steps; its learning-rate schedule then spans the steps that budget buys,
+estimated from the first step's count and corrected as the count comes in.
+
 Accuracy is exact match (argmax = next token) on 256 sequences drawn from seed 10000 + the run's
 seed (the training batches come from a generator seeded with the run's seed), per level: 0 is
 FORMAT, k >= 1 the answers that need k steps; UNPREDICTABLE tokens are not scored. The scores are
@@ -25,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nag_lightning.flops import TransformerFlopCounter, reference_training_flops
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.tasks import build_task
 from nag_lightning.tasks.evaluation import evaluate_by_difficulty, spearman, task_sequences
@@ -70,14 +77,18 @@ def train(args: argparse.Namespace, residual: str, depth: int, seed: int) -> dic
     torch.manual_seed(seed)
     task = build_task(args.task, **json.loads(args.task_options))
     config = TransformerConfig(vocab_size=256, d_model=args.d_model, n_layers=depth, n_heads=args.n_heads,
-                               seq_len=args.seq_len, residual=residual)
+                               seq_len=args.seq_len, residual=residual, router=args.router,
+                               router_options=json.loads(args.router_options))
     model = Transformer(config)
+    counter = TransformerFlopCounter(model)
+    budget = reference_training_flops(config, args.steps * args.batch_size * args.seq_len)
     opt = optimizer(model, args.lr[residual], args.weight_decay)
     batches = torch.Generator().manual_seed(seed)
-    history, start = [], time.time()
-    for step in range(1, args.steps + 1):
+    history, start, spent, step, total = [], time.time(), 0, 0, args.steps
+    while step < total:
+        step += 1
         for group in opt.param_groups:
-            group["lr"] = args.lr[residual] * lr_factor(step, args.warmup, args.steps)
+            group["lr"] = args.lr[residual] * lr_factor(step, args.warmup, total)
         batch = task.sample(args.batch_size, args.seq_len + 1, batches).tokens
         out = model(batch[:, :-1])
         loss = F.cross_entropy(out.logits.flatten(0, 1).float(), batch[:, 1:].flatten())
@@ -85,15 +96,21 @@ def train(args: argparse.Namespace, residual: str, depth: int, seed: int) -> dic
         (loss + out.aux_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % args.eval_every == 0 or step == args.steps:
+        spent += int(counter.step().training)
+        if args.iso_flop:  # the steps the budget buys at the mean cost per step so far
+            total = max(step + (spent < budget), round(budget / (spent / step)))
+        if step % args.eval_every == 0 or step == total:
             levels = score(model, task, args.seq_len, EVAL_SEED + seed)
             history.append({"step": step, "loss": loss.item(),
                             "acc": {k: round(v["acc"], 4) for k, v in levels.items()}})
-            print(f"{residual} L{depth} s{seed} step {step} loss {loss.item():.3f} "
+            print(f"{residual} L{depth} s{seed} step {step}/{total} loss {loss.item():.3f} "
                   f"{time.time() - start:.0f}s acc {history[-1]['acc']}", flush=True)
     seconds = time.time() - start
     return {"task": task.describe(), "residual": residual, "depth": depth, "seed": seed,
-            "lr": args.lr[residual], "steps": args.steps, "seconds": seconds,
+            "lr": args.lr[residual], "steps": step, "seconds": seconds, "router": args.router,
+            "router_options": json.loads(args.router_options), "iso_flop": args.iso_flop,
+            "training_flops": spent,
+            "full_depth_training_flops": budget,
             "levels": levels, "history": history, **compute_by_difficulty(model, args, seed)}
 
 
@@ -108,7 +125,7 @@ def compute_by_difficulty(model: Transformer, args: argparse.Namespace, seed: in
     correlations = {
         measure: {"answers": spearman(report.tokens, measure),
                   "predictable": spearman(report.tokens, measure, answers_only=False)}
-        for measure in ("angle", "planned")
+        for measure in ("angle", "planned", "executed")
     }
     return {"by_level": report.rows, "spearman": correlations}
 
@@ -132,6 +149,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="learning rate of residuals not in --lrs")
     parser.add_argument("--weight_decay", type=float, default=0.1)
     parser.add_argument("--eval_every", type=int, default=250)
+    parser.add_argument("--router", default="none", help="router of every sublayer")
+    parser.add_argument("--router_options", default="{}", help="JSON options of the router")
+    parser.add_argument("--iso_flop", action="store_true",
+                        help="train on the full-depth model's training FLOPs of --steps steps")
     parser.add_argument("--out", default="runs/task_probe")
     parser.add_argument("--table", action="store_true", help="print the cached runs under --out as a table")
     args = parser.parse_args()
@@ -145,8 +166,10 @@ def main() -> None:
     for seed in args.seeds:
         for depth in args.depths:
             for residual in args.residuals:
+                routing = "" if args.router == "none" else f"-{args.router}{args.router_options}"
+                routing += "-isoflop" if args.iso_flop else ""
                 name = (f"{args.task}-{args.task_options}-{residual}-L{depth}-d{args.d_model}-T{args.seq_len}"
-                        f"-b{args.batch_size}-n{args.steps}-lr{args.lr[residual]}-s{seed}")
+                        f"-b{args.batch_size}-n{args.steps}-lr{args.lr[residual]}{routing}-s{seed}")
                 path = out / (name.replace(" ", "").replace('"', "").replace("/", "_") + ".json")
                 if path.exists():
                     continue
@@ -158,20 +181,29 @@ def table(out: Path) -> str:
     """One markdown row per cached run: accuracy per level (%), seconds, and the Spearman
     correlations of compute with difficulty where the run recorded them."""
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-    runs.sort(key=lambda r: (r["task"], r["residual"], r["lr"], r["depth"], r["seed"]))
+    runs.sort(key=lambda r: (r["task"], r["residual"], routing(r), r["lr"], r["depth"], r["seed"]))
     levels = sorted({int(k) for r in runs for k in r["levels"]})
-    head = ["task", "residual", "lr", "blocks", "seed", *[f"acc {k}" for k in levels], "s",
-            "rho angle", "rho planned"]
+    head = ["task", "residual", "router", "lr", "blocks", "seed", "steps", *[f"acc {k}" for k in levels],
+            "s", "rho angle", "rho planned", "rho executed"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in runs:
         rho = r.get("spearman", {})
         acc = r["levels"]
-        cells = [r["task"], r["residual"], f"{r['lr']:g}", str(r["depth"]), str(r["seed"]),
+        cells = [r["task"], r["residual"], routing(r), f"{r['lr']:g}", str(r["depth"]), str(r["seed"]),
+                 str(r["steps"]),
                  *[f"{100 * acc[str(k)]['acc']:.1f}" if str(k) in acc else "" for k in levels],
                  f"{r['seconds']:.0f}",
-                 *[f"{rho[m]['answers']:.2f}" if m in rho else "" for m in ("angle", "planned")]]
+                 *[f"{rho[m]['answers']:.2f}" if m in rho else "" for m in ("angle", "planned", "executed")]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def routing(run: dict) -> str:
+    """The run's router and options in a table cell ("none" without one)."""
+    if run.get("router", "none") == "none":
+        return "none"
+    options = ", ".join(f"{k} {v}" for k, v in run["router_options"].items())
+    return f"{run['router']} ({options})" + (" iso-FLOP" if run.get("iso_flop") else "")
 
 
 if __name__ == "__main__":
