@@ -455,7 +455,7 @@ def test_oracle_lanes_experiment_skips_only_the_direction(monkeypatch):
     from nag_lightning.model import Transformer, TransformerConfig
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))
-    from oracle_lanes import skip_direction_only
+    from oracle_lanes import DirectionOnlyOracle
 
     torch.manual_seed(0)
     model = Transformer(TransformerConfig(d_model=32, n_layers=1, seq_len=16,
@@ -466,9 +466,9 @@ def test_oracle_lanes_experiment_skips_only_the_direction(monkeypatch):
     state = strategy.init_state(model.embed(torch.randint(0, 256, (2, 16))))
     h = strategy.read(state, 0)
     (u_full, rho_full), angle = strategy.write(state, sublayer.compute(h), None, 0, True)
-    sublayer.oracle_tau = float(angle.median())
-    u, rho = skip_direction_only(sublayer, state, strategy)
-    kept = angle >= sublayer.oracle_tau
+    tau = float(angle.median())
+    u, rho = DirectionOnlyOracle(sublayer, tau)(state, strategy)
+    kept = angle >= tau
     assert kept.any() and (~kept).any()
     torch.testing.assert_close(u[kept], u_full[kept])
     assert torch.equal(u[~kept], state[0][~kept])
