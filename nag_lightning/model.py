@@ -62,7 +62,7 @@ class TransformerConfig:
             block indices.
         init_std: standard deviation of linear weights at init; null means 1/sqrt(d_model). GPT-2's
             0.02 suits width 768; at width 64 it is 6x too small, and both residuals trained 0.3-0.55
-            bits per byte worse under it (docs/results.md, "Init").
+            bits per byte worse under it (docs/results_history.md, section 0).
         embed_std: standard deviation of the token embedding at init.
         rope_base: rotary embedding base.
         activation_checkpointing: keep only each block's input in training and run its forward
@@ -361,7 +361,7 @@ class Block(nn.Module):
         self.mlp = mlp
 
     def forward(self, state: State, strategy: ResidualStrategy, cached: CachedPass | None = None) -> State:
-        if cached is None:  # the training path calls sublayers exactly as before
+        if cached is None:  # training and evaluation: no cache to pass
             return self.mlp(self.attn(state, strategy), strategy)
         return self.mlp(self.attn(state, strategy, cached), strategy, cached)
 

@@ -96,8 +96,7 @@ class ThresholdRouter(Router):
         tau_average: weight of the newest training batch's own target threshold (the one that
             would have skipped the target share of it) in the running average that evaluation
             and generation use. The predictions drift as the model trains, and a long average
-            lags them: at 0.05 evaluation skipped 31% where 150 steps of the 25% MoD recipe had
-            trained at 25%; at 0.2, 27%.
+            lags them, so evaluation skips more than training did (docs/routing.md).
         calibration: weight of each batch in the running correction of b that keeps the mean
             predicted angle on the measured one.
         warmup_steps: training forward passes at the start during which every token runs, so the
