@@ -11,7 +11,7 @@ import torch
 
 from nag_lightning.compat import upgrade_checkpoint
 from tests.helpers import run_command
-from tests.test_saved_settings import flat_layout
+from tests.test_saved_settings import data_args, debug_checkpoint, flat_layout, sweeps_and_generates
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
 
@@ -44,15 +44,7 @@ def oldest_checkpoint(tmp_path_factory) -> Path:
     """A NAG checkpoint as the first releases wrote it: the magnitude angle, then the default, so
     not in its options; no settings in the state dict; the architecture flat."""
     root = tmp_path_factory.mktemp("oldest")
-    (root / "corpus.txt").write_text((Path(__file__).parent / "test_model.py").read_text() * 4)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(root)
-        from nag_lightning.cli import main
-
-        main(["fit", "--config", DEBUG, f"--data.source={root / 'corpus.txt'}", "--data.max_bytes=null",
-              f"--data.cache_dir={root / 'cache'}", "--trainer.max_steps=2", "--model.arch.residual_options",
-              "{angle: magnitude, theta_max: 0.25}", "--trainer.enable_progress_bar=false"])
-    checkpoint = torch.load(root / "runs/debug/version_0/checkpoints/last.ckpt", weights_only=True)
+    checkpoint = debug_checkpoint(root, "{angle: magnitude, theta_max: 0.25}")
     del checkpoint["state_dict"]["model.strategy._extra_state"]
     checkpoint["hyper_parameters"] = flat_layout(checkpoint["hyper_parameters"])
     assert checkpoint["hyper_parameters"]["residual"]["init_args"] == {"theta_max": 0.25}
@@ -87,21 +79,11 @@ def test_the_oldest_nag_checkpoint_loads_resumes_sweeps_and_generates(oldest_che
     assert not hasattr(strategy, "gate_w")
     weights = torch.load(oldest_checkpoint, weights_only=True)["state_dict"]
     torch.testing.assert_close(strategy.alpha, weights["model.strategy.alpha"])
-    root = oldest_checkpoint.parent
-    data = [f"--data.source={root / 'corpus.txt'}", "--data.max_bytes=null",
-            f"--data.cache_dir={root / 'cache'}"]
     monkeypatch.chdir(tmp_path)
-    status, _, err = run_command(["fit", "--config", DEBUG, *data, "--trainer.max_steps=3",
-                                  f"--ckpt_path={oldest_checkpoint}"], capsysbinary)
+    status, _, err = run_command(["fit", "--config", DEBUG, *data_args(oldest_checkpoint),
+                                  "--trainer.max_steps=3", f"--ckpt_path={oldest_checkpoint}"], capsysbinary)
     assert status == 0, err[-2000:]
     resumed = torch.load(tmp_path / "runs/debug/version_0/checkpoints/last.ckpt", weights_only=True)
     assert resumed["global_step"] == 3
     assert resumed["state_dict"]["model.strategy._extra_state"]["angle"] == "magnitude"
-    own_data = [a.replace("--data.", "--") for a in data if "max_bytes" not in a]
-    status, out, err = run_command(["sweep", f"--ckpt_path={oldest_checkpoint}", "--val_batches=1", *own_data,
-                                    "--fit_batches=1", "--taus=[0.0]", f"--out_dir={tmp_path / 's'}"],
-                                   capsysbinary)
-    assert status == 0 and "threshold tau=0" in out, err[-2000:]
-    status, out, err = run_command(["generate", f"--ckpt_path={oldest_checkpoint}", "--max_new_tokens=2"],
-                                   capsysbinary)
-    assert status == 0 and "sublayers executed" in out, err[-2000:]
+    sweeps_and_generates(oldest_checkpoint, tmp_path, capsysbinary)
