@@ -88,10 +88,11 @@ class OwnSweep(RouterSweep):
 
     def __init__(self, cls: type[Router]) -> None:
         self.cls = cls
-        self.setting = getattr(cls, "sweep_setting", None)
-        self.setting_is_angle = getattr(cls, "sweep_setting_is_angle", False)
-        self.baseline = getattr(cls, "sweep_baseline", None)
-        self.labels = getattr(cls, "sweep_labels", {})
+        self.setting = getattr(cls, "sweep_setting", None)  # None: it only offers a replacement
+        # the optional members, with the protocol's defaults
+        self.setting_is_angle = getattr(cls, "sweep_setting_is_angle", Sweepable.sweep_setting_is_angle)
+        self.baseline = getattr(cls, "sweep_baseline", Sweepable.sweep_baseline)
+        self.labels = getattr(cls, "sweep_labels", Sweepable.sweep_labels)
 
     def sweeping(self, router: Router, value: float) -> AbstractContextManager[None]:
         return router.sweeping(value)
