@@ -66,29 +66,30 @@ def current_layout(saved: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def upgrade_checkpoint(raw: dict) -> dict:
-    """`raw`, a checkpoint as read (and checked to be one), in the current format: its
-    hyper-parameters in the current layout and NAG's state complete. Changes `raw` in place."""
-    saved = raw.get("hyper_parameters")
-    if isinstance(saved, Mapping):
-        raw["hyper_parameters"] = current_layout(saved)
-        state = raw.get("state_dict")
-        arch = raw["hyper_parameters"].get(ARCH)
-        if isinstance(state, dict) and isinstance(arch, dict):
-            upgrade_nag_state(state, arch)
+    """`raw`, a checkpoint as read (and checked to be one), with NAG's state complete and, where the
+    checkpoint trained with the magnitude angle as the default of its time, that angle named in its
+    residual options; in place. The hyper-parameters keep their layout (the trust check reads them
+    as written); every reader of them goes through `current_layout`."""
+    saved, state = raw.get("hyper_parameters"), raw.get("state_dict")
+    if not (isinstance(saved, dict) and isinstance(state, dict)):
+        return raw
+    options = dict(current_layout(saved).get(ARCH, {}).get("residual_options") or {})
+    if upgrade_nag_state(state, options):
+        where = saved[ARCH] if isinstance(saved.get(ARCH), dict) else saved
+        where["residual_options"] = {**(where.get("residual_options") or {}), "angle": "magnitude"}
     return raw
 
 
-def upgrade_nag_state(state: dict, arch: dict, prefix: str = NAG_PREFIX) -> None:
+def upgrade_nag_state(state: dict, options: Mapping[str, Any], prefix: str = NAG_PREFIX) -> bool:
     """Complete the saved settings of a NAG strategy (any class that keeps NAG's state, named or
-    by class path) in `state`, and name the magnitude angle in `arch`'s residual_options where the
-    checkpoint trained with it and the options leave it to the default; in place. Other
-    strategies' states are left alone."""
+    by class path) in `state`, in place, given the checkpoint's residual `options`; other
+    strategies' states are left alone. Returns whether the checkpoint trained with the magnitude
+    angle while `options` leave the angle to the default, which is the gate now."""
     key = prefix + "_extra_state"
     alpha = state.get(prefix + "alpha")
-    options = dict(arch.get("residual_options") or {})
     if key not in state:
         if not (torch.is_tensor(alpha) and alpha.ndim == 1 and prefix + "beta" in state):
-            return  # not NAG's parameters
+            return False  # not NAG's parameters
         state[key] = {  # saved before the settings were
             "theta_max": _given(options, "theta_max", 2.0 / alpha.shape[0]),
             "norm_lane_readout": _given(options, "norm_lane_readout", False),
@@ -96,11 +97,10 @@ def upgrade_nag_state(state: dict, arch: dict, prefix: str = NAG_PREFIX) -> None
         }
     settings = state[key]
     if not isinstance(settings, dict) or "theta_max" not in settings:
-        return  # another strategy's extra state
+        return False  # another strategy's extra state
     for name, value in NAG_BEFORE.items():
         settings.setdefault(name, value)
-    if settings["angle"] == "magnitude" and options.get("angle") is None:
-        arch["residual_options"] = {**options, "angle": "magnitude"}
+    return settings["angle"] == "magnitude" and options.get("angle") is None
 
 
 def _given(options: Mapping[str, Any], name: str, default: object) -> object:

@@ -56,9 +56,9 @@ def test_the_reader_completes_the_oldest_nag_state():
     alpha, beta = torch.zeros(4), torch.zeros(4)
     raw = {"hyper_parameters": {"n_layers": 2, "residual": "nag", "residual_options": None},
            "state_dict": {"model.strategy.alpha": alpha, "model.strategy.beta": beta}}
-    upgrade_checkpoint(raw)
-    assert raw["hyper_parameters"] == {"arch": {"n_layers": 2, "residual": "nag",
-                                                "residual_options": {"angle": "magnitude"}}}
+    upgrade_checkpoint(raw)  # the layout stays as saved; the angle of its time is named in it
+    assert raw["hyper_parameters"] == {"n_layers": 2, "residual": "nag",
+                                       "residual_options": {"angle": "magnitude"}}
     assert raw["state_dict"]["model.strategy._extra_state"] == {
         "theta_max": 0.5, "norm_lane_readout": False, "bound": "tanh", "angle": "magnitude",
         "angle_cost": 0.0, "gate_radial": False}

@@ -22,9 +22,10 @@ def nag(**options):
 def through_the_reader(state: dict, **options):
     """A NAG loaded as the checkpoint reader loads one: `state` upgraded by `compat` with the
     checkpoint's residual `options`, the strategy built from the options it leaves."""
-    state, arch = dict(state), {"residual_options": options}
-    upgrade_nag_state(state, arch, prefix="")
-    strategy = nag(**arch["residual_options"])
+    state = dict(state)
+    if upgrade_nag_state(state, options, prefix=""):
+        options = {**options, "angle": "magnitude"}
+    strategy = nag(**options)
     strategy.load_state_dict(state)
     return strategy
 
@@ -163,7 +164,7 @@ def test_nag_checkpoint_without_settings_gets_the_defaults_of_its_time():
     given = through_the_reader(old, theta_max=1.0, norm_lane_readout=True)
     assert (given.theta_max, given.norm_lane_readout) == (1.0, True)
     prenorm = build_residual("prenorm", D, n_sublayers=8).state_dict()
-    upgrade_nag_state(prenorm, {}, prefix="")
+    assert not upgrade_nag_state(prenorm, {}, prefix="")
     assert "_extra_state" not in prenorm  # another strategy's state is left alone
 
 
