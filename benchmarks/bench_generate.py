@@ -34,6 +34,7 @@ from nag_lightning.analysis.evaluation import load_checkpoint
 from nag_lightning.analysis.generate import generate_tokens
 from nag_lightning.inference import CachedDecoder, generate_cached
 from nag_lightning.model import Transformer, TransformerConfig
+from nag_lightning.routers.threshold import ThresholdRouter
 
 PROMPT = list(b"def main(argv=None):\n    ")
 
@@ -82,7 +83,7 @@ def stdlib_texts(n: int, length: int) -> list[list[int]]:
 
 def mod_at_generation(args: argparse.Namespace) -> None:
     model: Transformer = load_checkpoint(args.ckpt_path, "cpu").model.eval()
-    routers = [s.router for s in model.sublayers if s.routed and type(s.router).sweep_setting == "tau"]
+    routers = [s.router for s in model.sublayers if isinstance(s.router, ThresholdRouter)]
     if not routers:
         raise SystemExit("Part 2 needs a checkpoint trained with the threshold router.")
     trained = {r: float(r.tau) if args.tau is None else args.tau for r in routers}

@@ -1,7 +1,7 @@
 """Where NAG's cost of skipping sits: the oracle that skips both lanes, against one that skips only
 the direction (docs/results.md, section 0, "The price of turning").
 
-The sweep's oracle (`Transformer.set_oracle`) skips a sublayer for every token whose measured angle
+The sweep's oracle (`nag_lightning.analysis.oracle`) skips a sublayer for every token whose measured angle
 is below tau: neither its rotation nor its radial (log-norm) update is written. This script
 evaluates, for every sublayer and at the tau values that bracket a MoD rate, that oracle and a
 variant that still writes the radial update of the skipped tokens, on the same validation batches:
@@ -20,17 +20,16 @@ import json
 import torch
 
 from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, saved_module
+from nag_lightning.analysis.oracle import OracleSublayer, oracle
 from nag_lightning.checkpoint import read_saved
-from nag_lightning.model import Sublayer
 
 
-def skip_direction_only(sublayer: Sublayer, state, strategy):
-    """Sublayer._oracle, except that skipped tokens keep the write's radial (log-norm) lane."""
-    h = strategy.read(state, sublayer.index).to(sublayer.compute.proj.weight.dtype)
-    (u_new, rho_new), angle = strategy.write(state, sublayer.compute(h), None, sublayer.index, True)
-    keep = angle >= sublayer.oracle_tau
-    sublayer.executed_per_seq = keep.sum(1)
-    return torch.where(keep.unsqueeze(-1), u_new, state[0]), rho_new
+class DirectionOnlyOracle(OracleSublayer):
+    """The sweep's oracle, except that skipped tokens keep the write's radial (log-norm) lane."""
+
+    def merge(self, state, written, keep):
+        (u_new, rho_new), u_old = written, state[0]
+        return torch.where(keep.unsqueeze(-1), u_new, u_old), rho_new
 
 
 def tau_at_rate(model, batches, rate: float) -> float:
@@ -64,14 +63,9 @@ def main() -> None:
     tau = tau_at_rate(model, val, args.rate)
     dense = evaluate(model, val, token_bytes=module.token_bytes)["bpb"]
     result = {"checkpoint": args.checkpoint, "tau": tau, "dense_bpb": dense}
-    for name, oracle in (("both_lanes", Sublayer._oracle), ("direction_only", skip_direction_only)):
-        for s in model.sublayers:
-            s.oracle_tau = tau
-            s._oracle = oracle.__get__(s)  # this sublayer's oracle, for this evaluation only
-        skipped = evaluate(model, val, token_bytes=module.token_bytes)
-        for s in model.sublayers:
-            s.oracle_tau = None
-            del s._oracle
+    for name, kind in (("both_lanes", OracleSublayer), ("direction_only", DirectionOnlyOracle)):
+        with oracle(model, tau, every_sublayer=True, kind=kind):
+            skipped = evaluate(model, val, token_bytes=module.token_bytes)
         result[f"{name}_mod_rate"] = skipped["mod_rate"]
         result[f"{name}_cost"] = skipped["bpb"] - dense
     print(json.dumps(result))

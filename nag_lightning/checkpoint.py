@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from nag_lightning.compat import upgrade_checkpoint
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.saved_settings import saved_architecture, saved_model_settings
 from nag_lightning.tokenizer import Tokenizer, load_saved
@@ -112,7 +113,7 @@ def read_saved(path: str | Path) -> SavedCheckpoint:
     source = str(path)
     raw = read_checkpoint(source)
     check_contents(raw, source)
-    return SavedCheckpoint(source, raw)
+    return SavedCheckpoint(source, upgrade_checkpoint(raw))
 
 
 def damaged_last(path: str | Path) -> ValueError:

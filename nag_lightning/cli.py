@@ -122,6 +122,8 @@ class NagCLI:
         self._typed_vocab_size = None
         if isinstance(args, (dict, Namespace)):
             return super().parse_arguments(parser, args)
+        from nag_lightning.compat import refuse_older_layout
+
         refuse_older_layout(list(sys.argv[1:] if args is None else args))
         argv, typed = _without_option(list(sys.argv[1:] if args is None else args), VOCAB_OPTION)
         if typed is None:
@@ -326,35 +328,6 @@ def _without_option(argv: list[str], option: str) -> tuple[list[str], str | None
             kept.append(argv[i])
         i += 1
     return kept, value
-
-
-def refuse_older_layout(argv: list[str]) -> None:
-    """One sentence, instead of the parser's list of unknown keys, for a config file or option
-    written before the architecture moved under `model.arch` (`nag_lightning.saved_settings`)."""
-    import yaml
-
-    from nag_lightning.saved_settings import legacy_layout_sentence, legacy_settings
-
-    options = [a.split("=", 1)[0][len("--model."):] for a in argv if a.startswith("--model.")]
-    keys = legacy_settings(options)
-    if keys:
-        raise ValueError(legacy_layout_sentence("The command line", keys))
-    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
-    files += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    for path in files:
-        try:
-            with open(path) as handle:
-                config = yaml.safe_load(handle)
-        except (OSError, yaml.YAMLError):
-            continue  # the parser says what is wrong with it
-        if not isinstance(config, dict):
-            continue
-        # the model section at the top, or under a subcommand (`--config` before `fit`)
-        for section in [config, *(v for v in config.values() if isinstance(v, dict))]:
-            model = section.get("model")
-            keys = legacy_settings(model) if isinstance(model, dict) else []
-            if keys:
-                raise ValueError(legacy_layout_sentence(f"The config {path}", keys))
 
 
 def replaced_settings(saved: dict, model_config: dict, prefix: str = "model.") -> list[str]:

@@ -62,7 +62,7 @@ class TransformerConfig:
             block indices.
         init_std: standard deviation of linear weights at init; null means 1/sqrt(d_model). GPT-2's
             0.02 suits width 768; at width 64 it is 6x too small, and both residuals trained 0.3-0.55
-            bits per byte worse under it (docs/results.md, "Init").
+            bits per byte worse under it (docs/results_history.md, section 0).
         embed_std: standard deviation of the token embedding at init.
         rope_base: rotary embedding base.
         activation_checkpointing: keep only each block's input in training and run its forward
@@ -275,9 +275,6 @@ class Sublayer(nn.Module):
     (B,) executed tokens of each sequence, and, when `record` is set, `contribution` (B, T) and
     `state_norm` (B, T) after the write, `executed` (B, T) which tokens ran, and `planned_angle`
     (B, T) the strategy's angle before the sublayer ran (None when it has none).
-
-    With `oracle_tau` set (analysis only, `Transformer.set_oracle`), the router is not asked: every
-    token runs, and the write is kept where the angle it turned the token by reaches oracle_tau.
     """
 
     def __init__(self, kind: str, index: int, compute: nn.Module, router: Router) -> None:
@@ -292,7 +289,6 @@ class Sublayer(nn.Module):
         self.state_norm: Tensor | None = None
         self.executed: Tensor | None = None
         self.planned_angle: Tensor | None = None
-        self.oracle_tau: float | None = None
 
     @property
     def routed(self) -> bool:
@@ -303,8 +299,6 @@ class Sublayer(nn.Module):
         """The sublayer over the whole sequence, or, with `cached`, over new tokens only: attention
         then reads and extends the KV cache, padding executes nothing, the router only decides
         (nothing is learned or recorded), and a sublayer no token runs costs nothing."""
-        if self.oracle_tau is not None and cached is None:
-            return self._oracle(state, strategy)
         # (B, T, C); cast for models held in low precision while the state lanes stay fp32
         h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
         planned = None
@@ -315,7 +309,7 @@ class Sublayer(nn.Module):
         else:
             route = self.router(h)
         executed = route.executed if cached is None else cached.executes(route.executed)
-        need_angle = cached is None and (self.record or getattr(self.router, "needs_contribution", False))
+        need_angle = cached is None and (self.record or self.router.needs_contribution)
         if executed is None:
             if cached is not None and self.kind == "attn":
                 f = self.compute.forward_cached(h, cached.positions, cached.caches[self.index])
@@ -358,21 +352,6 @@ class Sublayer(nn.Module):
         return state
 
 
-    def _oracle(self, state: State, strategy: ResidualStrategy) -> State:
-        """Every token runs; the write stays where the measured angle reaches `oracle_tau`. The
-        angle is known only after the sublayer ran, so this saves no compute: it shows how well
-        a predictor of the angle could do at the same MoD rate."""
-        h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
-        written, angle = strategy.write(state, self.compute(h), None, self.index, True)
-        keep = angle >= self.oracle_tau  # (B, T)
-        self.executed_per_seq = keep.sum(1)
-        if self.record:
-            self.contribution, self.executed = torch.where(keep, angle, 0.0), keep
-            self.planned_angle = strategy.planned_angle(state, self.index)
-        return tuple(torch.where(keep.unsqueeze(-1) if new.ndim > keep.ndim else keep, new, old)
-                     for new, old in zip(written, state))
-
-
 class Block(nn.Module):
     """One attention and one MLP sublayer (the unit FSDP wraps)."""
 
@@ -382,7 +361,7 @@ class Block(nn.Module):
         self.mlp = mlp
 
     def forward(self, state: State, strategy: ResidualStrategy, cached: CachedPass | None = None) -> State:
-        if cached is None:  # the training path calls sublayers exactly as before
+        if cached is None:  # training and evaluation: no cache to pass
             return self.mlp(self.attn(state, strategy), strategy)
         return self.mlp(self.attn(state, strategy, cached), strategy, cached)
 
@@ -453,12 +432,6 @@ class Transformer(nn.Module):
     @property
     def sublayers(self) -> list[Sublayer]:
         return [s for block in self.blocks for s in (block.attn, block.mlp)]
-
-    def set_oracle(self, tau: float | None) -> None:
-        """Route every routed sublayer by the oracle at `tau` radians (see `Sublayer`); None
-        routes by the routers again."""
-        for sublayer in self.sublayers:
-            sublayer.oracle_tau = tau if sublayer.routed else None
 
     def record_diagnostics(self, on: bool) -> None:
         """Keep each sublayer's contribution and state norm after the next forward passes."""

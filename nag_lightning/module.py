@@ -10,10 +10,12 @@ fills the last `decay_fraction` of a FLOP budget; gradient clipping is the Train
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import os
 from dataclasses import asdict
+from typing import Protocol
 
 import lightning as L
 import torch
@@ -23,17 +25,22 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from nag_lightning import tokenizer as tokenizers
-from nag_lightning.callbacks.budget import FlopBudget
-from nag_lightning.callbacks.projection import WeightProjection
 from nag_lightning.compile import compile_model
 from nag_lightning.model import Transformer, TransformerConfig
-from nag_lightning.residuals import ResidualStrategy
 from nag_lightning.saved_settings import check_architecture
 from nag_lightning.tasks import Labelled
 from nag_lightning.tasks.evaluation import DifficultyScores, score_batch
 from nag_lightning.tokenizer import Tokenizer
 
 SCHEDULES = ("cosine", "wsd")
+
+
+class RunBudget(Protocol):
+    """What the learning-rate schedule reads from a budget that ends the run (`FlopBudget`)."""
+
+    @property
+    def progress(self) -> float:
+        """The fraction of the budget spent so far, 0 to 1."""
 
 
 class BitsPerByte(MeanMetric):
@@ -57,7 +64,7 @@ class NAGLanguageModel(L.LightningModule):
             (trainer.max_steps, or the steps of max_epochs). "wsd" (warmup-stable-decay): after
             warmup, lr holds until the last `decay_fraction` of the run, then falls linearly to
             min_lr_ratio; the run's progress is the fraction of the FLOP budget spent when a
-            FlopBudget callback is present, else the fraction of the steps.
+            FlopBudget callback follows the run (`follow_budget`), else the fraction of the steps.
         decay_fraction: the final fraction of the run (FLOP budget or steps) WSD decays over.
         weight_decay: AdamW weight decay of matrices (gains, scalars and embeddings get none).
         betas: AdamW betas.
@@ -107,6 +114,7 @@ class NAGLanguageModel(L.LightningModule):
         self.tokenizer: Tokenizer = Tokenizer()
         self._tokenizer_from_data = False
         self.register_buffer("token_bytes", None, persistent=False)  # None: one byte per token
+        self.budget: RunBudget | None = None  # set by `follow_budget`
 
     def configure_model(self) -> None:
         """Shard the model under Lightning's ModelParallelStrategy (FSDP2, one unit per block,
@@ -250,7 +258,7 @@ class NAGLanguageModel(L.LightningModule):
         )
         total = max(self.trainer.estimated_stepping_batches, 1)
         if hp.schedule == "cosine":
-            if hp.min_lr_ratio < 1 and any(isinstance(c, FlopBudget) for c in self.trainer.callbacks):
+            if hp.min_lr_ratio < 1 and self.budget is not None:
                 rank_zero_warn(
                     "The cosine schedule decays over trainer.max_steps, not the FLOP budget, which "
                     "ends the run wherever it is on that curve; set model.schedule: wsd to anneal "
@@ -265,11 +273,21 @@ class NAGLanguageModel(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def follow_budget(self, budget: RunBudget | None) -> None:
+        """Hook for a compute budget that ends the run: a `FlopBudget` callback calls it at setup,
+        before the optimizers are configured, so WSD reads the run's progress from it; None: from
+        the steps again."""
+        self.budget = budget
+
+    def teardown(self, stage: str) -> None:
+        """Forget the budget of this run: a later one on another Trainer sets its own."""
+        self.budget = None
+
     def _progress(self, total: float):
-        """step -> fraction of the run done, for WSD: of the FLOP budget when the Trainer has a
-        FlopBudget (its spent FLOPs are checkpointed, so a resumed run continues the same
-        schedule), else of the steps."""
-        budget = next((c for c in self.trainer.callbacks if isinstance(c, FlopBudget)), None)
+        """step -> fraction of the run done, for WSD: of the FLOP budget when one follows the run
+        (its spent FLOPs are checkpointed, so a resumed run continues the same schedule), else of
+        the steps."""
+        budget = self.budget
         if budget is not None:
             return lambda step: budget.progress
         return lambda step: step / total
@@ -328,11 +346,15 @@ class NAGLanguageModel(L.LightningModule):
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """The callbacks the residual strategy's method needs: weight projection (nGPT's
-        renormalization after each step) for a strategy that constrains the weights."""
-        if type(self.model.strategy).project_weights is ResidualStrategy.project_weights:
-            return []
-        return [WeightProjection()]
+        """The callbacks the residual strategy's method needs (`ResidualStrategy.training_callbacks`,
+        named by class path, so neither the model nor this module imports a callback): weight
+        projection (nGPT's renormalization after each step) for a strategy that constrains the
+        weights."""
+        callbacks = []
+        for path in self.model.strategy.training_callbacks:
+            module_name, _, class_name = path.rpartition(".")
+            callbacks.append(getattr(importlib.import_module(module_name), class_name)())
+        return callbacks
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep the tokenizer in the checkpoint, as plain data (it loads with weights_only=True)."""

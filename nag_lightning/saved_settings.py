@@ -1,53 +1,23 @@
 """A checkpoint's saved model settings, read in the current layout; the one architecture check.
 
 The architecture is one `TransformerConfig`, `model.arch` in YAML and `hyper_parameters["arch"]`
-in a checkpoint. Checkpoints (and `hparams.yaml` files) written before it held the same fields flat
-among the training settings (`hyper_parameters["d_model"]`, ...), and named a plugin either by a
-short name with `<kind>_options` or by a `{class_path, init_args}` mapping. This module is the
-only place that knows those layouts: every reader of saved settings goes through
-`saved_model_settings` or `saved_architecture`, so the model and the module see one layout. Kept
-apart from the model, as checkpoint compatibility should be.
+in a checkpoint. Earlier layouts are brought to this one by `nag_lightning.compat`, which every
+reader of saved settings goes through (`saved_model_settings`, `saved_architecture`), so the model
+and the module see one layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import fields
 from typing import Any
 
-from nag_lightning.model import RESUMABLE_CHANGES, TransformerConfig
-
-ARCH = "arch"
-PLUGIN_KINDS = ("residual", "router")
-
-
-def architecture_fields() -> list[str]:
-    """The settings of `TransformerConfig`, in declaration order."""
-    return [f.name for f in fields(TransformerConfig)]
+from nag_lightning.compat import ARCH, current_layout
+from nag_lightning.model import RESUMABLE_CHANGES
 
 
 def saved_model_settings(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """`saved` (a checkpoint's hyperparameters) in the current layout: architecture fields saved
-    flat move under `arch` (when there is no `arch`), plugins named by a `{class_path, init_args}`
-    mapping become the class path and its options; None for options or route_kinds means their
-    defaults."""
-    settings = {k: v for k, v in saved.items() if k not in architecture_fields()}
-    if ARCH in saved:  # the current layout: flat fields beside it are not read (nor built)
-        arch = dict(saved[ARCH] or {})
-    else:
-        arch = {k: v for k, v in saved.items() if k in architecture_fields()}
-    for kind in PLUGIN_KINDS:
-        spec = arch.get(kind)
-        if isinstance(spec, Mapping) and "class_path" in spec:
-            arch[kind] = spec["class_path"]
-            arch[f"{kind}_options"] = {**dict(spec.get("init_args") or {}),
-                                       **dict(arch.get(f"{kind}_options") or {})}
-    for key in ("residual_options", "router_options", "route_kinds"):
-        if key in arch and arch[key] is None:
-            del arch[key]
-    if arch:
-        settings[ARCH] = arch
-    return settings
+    """`saved` (a checkpoint's or an hparams.yaml's hyperparameters) in the current layout."""
+    return current_layout(saved)
 
 
 def saved_architecture(saved: Mapping[str, Any]) -> dict[str, Any]:
@@ -83,20 +53,3 @@ def check_architecture(saved: Mapping[str, Any], current: Mapping[str, Any], sou
 def _plain(value: object) -> object:
     """YAML-loaded and Python values alike: tuples as lists."""
     return list(value) if isinstance(value, tuple) else value
-
-
-def legacy_settings(model: Mapping[str, Any]) -> list[str]:
-    """The keys of a `model` section of a config (or command line) written in the layout before
-    `model.arch`, which would otherwise fail without saying why."""
-    return [key for key in model if key in architecture_fields()]
-
-
-def legacy_layout_sentence(where: str, keys: list[str]) -> str:
-    """The one sentence that says how an older config maps to the current one."""
-    return (
-        f"{where} sets {', '.join(f'model.{k}' for k in keys)}, but the architecture settings "
-        f"({', '.join(architecture_fields())}) now live under model.arch: write "
-        f"model.arch.{keys[0]} for model.{keys[0]}, and a plugin's options in "
-        "model.arch.residual_options or model.arch.router_options rather than class_path/init_args "
-        "(docs/usage.md, 'Configs written before model.arch')."
-    )

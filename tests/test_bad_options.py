@@ -12,6 +12,7 @@ import lightning.pytorch  # noqa: F401 - imported here, its log handlers keep th
 import pytest
 import torch
 
+from nag_lightning.analysis.sweepable import sweep_of
 from nag_lightning.cli import main
 from nag_lightning.routers.topk import TopKRouter
 from tests.helpers import run_cli, run_command
@@ -122,12 +123,12 @@ def test_router_rates_train_or_are_refused(router, option, value, accepted, corp
 
 
 def test_a_topk_sweep_capacity_outside_0_1_is_refused():
-    router = TopKRouter(8)
+    router, sweep = TopKRouter(8), sweep_of(TopKRouter)
     for value in (0, 1.5, -0.5):
         with pytest.raises(ValueError, match=r"A top-k capacity is the fraction .* in \(0, 1\]"):
-            with router.sweeping(value):
+            with sweep.sweeping(router, value):
                 pass
-    with router.sweeping(1.0):
+    with sweep.sweeping(router, 1.0):
         assert router.capacity == 1.0
     assert router.capacity == 0.75
 

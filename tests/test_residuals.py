@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nag_lightning.compat import upgrade_nag_state
 from nag_lightning.residuals import RESIDUALS, build_residual
 
 D = 64
@@ -16,6 +17,17 @@ ROWS = 16
 
 def nag(**options):
     return build_residual("nag", D, n_sublayers=8, **options)
+
+
+def through_the_reader(state: dict, **options):
+    """A NAG loaded as the checkpoint reader loads one: `state` upgraded by `compat` with the
+    checkpoint's residual `options`, the strategy built from the options it leaves."""
+    state = dict(state)
+    if upgrade_nag_state(state, options, prefix=""):
+        options = {**options, "angle": "magnitude"}
+    strategy = nag(**options)
+    strategy.load_state_dict(state)
+    return strategy
 
 
 def unit_state(strategy, rows=ROWS, seed=0):
@@ -147,12 +159,13 @@ def test_nag_checkpoint_carries_its_settings():
 def test_nag_checkpoint_without_settings_gets_the_defaults_of_its_time():
     """State dicts from before the settings were saved: theta_max 2/N and no readout, unless given."""
     old = {k: v for k, v in nag(angle="magnitude").state_dict().items() if k != "_extra_state"}
-    loaded = nag()
-    loaded.load_state_dict(old)
+    loaded = through_the_reader(old)
     assert (loaded.theta_max, loaded.norm_lane_readout, loaded.angle) == (2 / 8, False, "magnitude")
-    given = nag(theta_max=1.0, norm_lane_readout=True)
-    given.load_state_dict(old)
+    given = through_the_reader(old, theta_max=1.0, norm_lane_readout=True)
     assert (given.theta_max, given.norm_lane_readout) == (1.0, True)
+    prenorm = build_residual("prenorm", D, n_sublayers=8).state_dict()
+    assert not upgrade_nag_state(prenorm, {}, prefix="")
+    assert "_extra_state" not in prenorm  # another strategy's state is left alone
 
 
 @pytest.mark.parametrize("name", ["AtanBoundNAG", "LearnedBoundNAG"])
@@ -325,11 +338,11 @@ def test_gated_nag_checkpoint_carries_its_angle():
 
 
 def test_a_magnitude_checkpoint_loads_into_a_model_built_with_the_defaults():
-    """Checkpoints from before the gate became the default: a model built without `angle` drops
-    its gate and writes exactly as the trained one; one given angle='gate' refuses it."""
+    """Checkpoints of the magnitude angle whose options leave the angle to the default: the reader
+    names it, so the model is built without the gate and writes exactly as the trained one; a
+    model given angle='gate', or built with it, refuses it."""
     trained = nag(angle="magnitude", beta_init=0.4)
-    loaded = nag()
-    loaded.load_state_dict(trained.state_dict())
+    loaded = through_the_reader(trained.state_dict())
     assert loaded.angle == "magnitude" and loaded.theta_max == 4 / 8
     assert not any("gate" in name for name, _ in loaded.named_parameters())
     u, rho = unit_state(loaded)
@@ -338,6 +351,8 @@ def test_a_magnitude_checkpoint_loads_into_a_model_built_with_the_defaults():
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     with pytest.raises(ValueError, match="trained with angle=magnitude; this model was given angle=gate"):
         nag(angle="gate").load_state_dict(trained.state_dict())
+    with pytest.raises(ValueError, match="built with angle=gate: give residual_options angle=magnitude"):
+        nag().load_state_dict(trained.state_dict())
 
 
 def test_gated_write_runs_the_triton_kernel_as_the_reference():
@@ -418,14 +433,13 @@ def test_angle_cost_travels_in_checkpoints_and_a_given_one_wins():
     assert loaded.angle_cost == 0.25
     before = dict(priced.state_dict())
     before["_extra_state"] = {k: v for k, v in before["_extra_state"].items() if k != "angle_cost"}
-    old = nag()
-    old.load_state_dict(before)
+    old = through_the_reader(before)
     assert old.angle_cost == 0.0
     retuned = nag(angle_cost=0.05)
     retuned.load_state_dict(priced.state_dict())
     assert retuned.angle_cost == 0.05
-    with pytest.raises(ValueError, match="angle_cost prices the gated angle only: drop angle_cost"):
-        nag(angle_cost=0.1).load_state_dict(nag(angle="magnitude").state_dict())
+    with pytest.raises(ValueError, match="prices the gated angle only; got 0.1 with angle=.magnitude.: give"):
+        through_the_reader(nag(angle="magnitude").state_dict(), angle_cost=0.1)
 
 
 def test_gate_radial_scales_the_radial_update_by_the_gates_share_of_the_bound():
@@ -455,7 +469,7 @@ def test_oracle_lanes_experiment_skips_only_the_direction(monkeypatch):
     from nag_lightning.model import Transformer, TransformerConfig
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))
-    from oracle_lanes import skip_direction_only
+    from oracle_lanes import DirectionOnlyOracle
 
     torch.manual_seed(0)
     model = Transformer(TransformerConfig(d_model=32, n_layers=1, seq_len=16,
@@ -466,9 +480,9 @@ def test_oracle_lanes_experiment_skips_only_the_direction(monkeypatch):
     state = strategy.init_state(model.embed(torch.randint(0, 256, (2, 16))))
     h = strategy.read(state, 0)
     (u_full, rho_full), angle = strategy.write(state, sublayer.compute(h), None, 0, True)
-    sublayer.oracle_tau = float(angle.median())
-    u, rho = skip_direction_only(sublayer, state, strategy)
-    kept = angle >= sublayer.oracle_tau
+    tau = float(angle.median())
+    u, rho = DirectionOnlyOracle(sublayer, tau)(state, strategy)
+    kept = angle >= tau
     assert kept.any() and (~kept).any()
     torch.testing.assert_close(u[kept], u_full[kept])
     assert torch.equal(u[~kept], state[0][~kept])

@@ -25,9 +25,9 @@ def flat_layout(saved: dict) -> dict:
     return {**saved, **arch, "_class_path": "nag_lightning.module.NAGLanguageModel"}
 
 
-@pytest.fixture(scope="module")
-def old_checkpoint(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("old")
+def debug_checkpoint(root: Path, residual_options: str) -> dict:
+    """The checkpoint of two steps of the debug recipe with these residual options, trained in
+    `root` on a text of the tests."""
     (root / "corpus.txt").write_text((Path(__file__).parent / "test_model.py").read_text() * 4)
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)
@@ -35,8 +35,14 @@ def old_checkpoint(tmp_path_factory) -> Path:
 
         main(["fit", "--config", DEBUG, f"--data.source={root / 'corpus.txt'}", "--data.max_bytes=null",
               f"--data.cache_dir={root / 'cache'}", "--trainer.max_steps=2", "--model.arch.residual_options",
-              "{theta_max: 0.25}", "--trainer.enable_progress_bar=false"])
-    checkpoint = torch.load(root / "runs/debug/version_0/checkpoints/last.ckpt", weights_only=True)
+              residual_options, "--trainer.enable_progress_bar=false"])
+    return torch.load(root / "runs/debug/version_0/checkpoints/last.ckpt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def old_checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("old")
+    checkpoint = debug_checkpoint(root, "{theta_max: 0.25}")
     checkpoint["hyper_parameters"] = flat_layout(checkpoint["hyper_parameters"])
     torch.save(checkpoint, root / "old.ckpt")
     return root / "old.ckpt"
@@ -80,14 +86,19 @@ def test_an_old_checkpoint_loads_validates_resumes_sweeps_and_generates(old_chec
                                   "--trainer.max_steps=3", "--model.arch.d_model=64",
                                   f"--ckpt_path={old_checkpoint}"], capsysbinary)
     assert status == 1 and "different architecture: model.arch.d_model=32 (this run: 64)" in err
-    own_data = [a.replace("--data.", "--") for a in data_args(old_checkpoint) if "max_bytes" not in a]
-    status, out, err = run_command(["sweep", f"--ckpt_path={old_checkpoint}", "--val_batches=1", *own_data,
-                                    "--fit_batches=1", "--taus=[0.0]", f"--out_dir={tmp_path / 's'}"],
-                                   capsysbinary)
-    assert status == 0 and "threshold tau=0" in out, err[-2000:]
-    status, out, err = run_command(["generate", f"--ckpt_path={old_checkpoint}", "--max_new_tokens=2"],
-                                   capsysbinary)
-    assert status == 0 and "sublayers executed" in out, err[-2000:]
+    sweeps_and_generates(old_checkpoint, tmp_path, capsysbinary)
+
+
+def sweeps_and_generates(checkpoint: Path, out: Path, capsysbinary) -> None:
+    """`sweep` (into `out`) and `generate` run on `checkpoint`, trained by `debug_checkpoint`."""
+    own_data = [a.replace("--data.", "--") for a in data_args(checkpoint) if "max_bytes" not in a]
+    status, text, err = run_command(["sweep", f"--ckpt_path={checkpoint}", "--val_batches=1", *own_data,
+                                     "--fit_batches=1", "--taus=[0.0]", f"--out_dir={out / 's'}"],
+                                    capsysbinary)
+    assert status == 0 and "threshold tau=0" in text, err[-2000:]
+    status, text, err = run_command(["generate", f"--ckpt_path={checkpoint}", "--max_new_tokens=2"],
+                                    capsysbinary)
+    assert status == 0 and "sublayers executed" in text, err[-2000:]
 
 
 def test_a_class_path_saved_flat_by_an_old_checkpoint_still_needs_trust(old_checkpoint, tmp_path, capsys):

@@ -3,6 +3,7 @@ the last fraction of a FLOP budget; the same learning rates after a resume."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import lightning as L
@@ -14,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from nag_lightning.callbacks import FlopAccounting, FlopBudget
 from nag_lightning.model import TransformerConfig
 from nag_lightning.module import NAGLanguageModel, warmup_stable_decay
+from nag_lightning.module import __file__ as module_file
 from tests.test_budget import SIGN, dense_step_flops, loader, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +72,22 @@ def test_without_a_budget_wsd_decays_over_the_last_fraction_of_the_steps(tmp_pat
     expected = [LR * warmup_stable_decay(k, 0, k / 10, 0.3, MIN_RATIO) for k in range(10)]
     assert record.lrs == pytest.approx(expected)
     assert record.lrs[:8] == pytest.approx([LR] * 8) and record.lrs[9] < record.lrs[8] < LR
+
+
+def test_the_module_follows_a_budget_only_in_the_run_that_has_one(tmp_path):
+    """The budget tells the module (`follow_budget`); the module looks for no callback, and a later
+    run without a budget decays over its steps again."""
+    module = model(decay_fraction=0.3, warmup_steps=0)
+    per_step = dense_step_flops(module)
+    trainer(tmp_path / "budget", [FlopAccounting(), FlopBudget(budget=2 * per_step)]).fit(module, loader())
+    assert module.trainer.global_step == 2 and module.budget is None  # forgotten at teardown
+    record = RecordLR()
+    trainer(tmp_path / "steps", [record], max_steps=10).fit(module, loader())
+    assert record.lrs == pytest.approx([LR * warmup_stable_decay(k, 0, k / 10, 0.3, MIN_RATIO)
+                                        for k in range(10)])
+    imports = {node.module or "" for node in ast.walk(ast.parse(Path(module_file).read_text()))
+               if isinstance(node, ast.ImportFrom)}
+    assert not [name for name in imports if name.startswith("nag_lightning.callbacks")]
 
 
 def test_a_resumed_run_follows_the_same_learning_rates(tmp_path):

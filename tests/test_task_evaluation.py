@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nag_lightning.analysis.oracle import oracle
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.tasks import FORMAT, UNPREDICTABLE, Labelled, build_task
 from nag_lightning.tasks.evaluation import (
@@ -69,8 +70,8 @@ def test_a_router_skips_show_as_fewer_executed_sublayers():
 def test_under_the_oracle_only_the_kept_writes_count():
     model = tiny("nag", router="topk", router_options={"capacity": 0.5})
     score_batch(model, hops_batch())  # leaves the routers' records behind
-    model.set_oracle(10.0)  # radians: no write reaches it, so every routed sublayer is dropped
-    scores = score_batch(model, hops_batch())
+    with oracle(model, 10.0):  # radians: no write reaches it, so every routed sublayer is dropped
+        scores = score_batch(model, hops_batch())
     assert (scores.executed == 0).all() and (scores.angle == 0).all()
     assert scores.planned.isfinite().all()
 

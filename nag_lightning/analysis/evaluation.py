@@ -1,7 +1,7 @@
 """A trained model evaluated on its own data: checkpoint, data module, batches, loss and routing.
 
 What the sweep and the studies share. `evaluate` runs the model as it is set up (its routers at
-their settings, or the oracle of `Transformer.set_oracle`) and reads the counts of
+their settings, or under `oracle.oracle`) and reads the counts of
 `nag_lightning.flops`, so its MoD rate and FLOPs are the ones training logs.
 """
 
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nag_lightning.analysis.oracle import under_oracle
 from nag_lightning.flops import count_model
 from nag_lightning.model import Transformer
 
@@ -125,7 +126,7 @@ def evaluate(model: Transformer, batches: list[Tensor], token_bytes: Tensor | No
         tokens += count.tokens
         skipped += count.mod_rate * count.tokens  # every batch has one rate over its own tokens
         flops += count.forward
-        if all(s.oracle_tau is None for s in model.sublayers):  # the oracle asks no router
+        if not under_oracle(model):  # the oracle asks no router
             agreement += [value for s in model.sublayers if s.routed
                           and (value := s.router.stats().get("predictor_agreement")) is not None]
     return {

@@ -1,6 +1,6 @@
 """Routers fitted to a frozen model: how a model trained without routing gets routers to sweep.
 
-Each router the model has offers, through `Router.for_sweep`, a router to put in its place (the
+Each router the model has may offer a router to put in its place (`Sweepable.for_sweep`; the
 unrouted `none` offers a threshold router, whose probe predicts the contribution angle). Only the new
 routers' parameters learn, from their own auxiliary loss; the model's weights stay as trained.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from nag_lightning.analysis.sweepable import sweep_of
 from nag_lightning.model import Transformer
 from nag_lightning.routers import Router
 
@@ -17,14 +18,17 @@ from nag_lightning.routers import Router
 def attach_sweep_routers(model: Transformer, route_kinds: list[str], fit_steps: int,
                          options: dict | None = None) -> list[Router]:
     """Put in place of the router of every sublayer of `route_kinds` the router it offers for a
-    sweep (`Router.for_sweep`, given `options` when there are any), which runs every token for its
+    sweep (`Sweepable.for_sweep`, given `options` when there are any), which runs every token for its
     first `fit_steps` training forwards; returns the routers attached."""
     device = next(model.parameters()).device
     attached = []
     for s in model.sublayers:
         if s.kind not in route_kinds:
             continue
-        replacement = s.router.for_sweep(fit_steps, **options) if options else s.router.for_sweep(fit_steps)
+        adapter = sweep_of(type(s.router))
+        if adapter is None:
+            continue
+        replacement = adapter.replacement(s.router, fit_steps, **(options or {}))
         if replacement is not None:
             s.router = replacement.to(device)
             attached.append(s.router)

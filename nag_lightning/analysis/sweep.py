@@ -1,20 +1,20 @@
 """`nag-lightning sweep`: the accuracy/compute trade-off of a trained model (arXiv 2606.16112,
 claim 5: MoD as a post-training knob).
 
-    checkpoint ─> trained without routing: attach the routers `Router.for_sweep` offers
+    checkpoint ─> trained without routing: attach the routers the unrouted one offers
                   (threshold; `--router_options '{predictor: angle}'` skips on NAG's gated
                   angle itself), fit their probes, if any, with the model frozen (`probes`)
                ─> trained with a router: its own routers as trained
-    then, for every value of the routers' `sweep_setting` (tau in radians, top-k capacity, ...),
+    then, for every value of the routers' sweep setting (tau in radians, top-k capacity, ...),
     evaluate N validation batches (`evaluation`): MoD rate, executed forward FLOPs per token,
     loss, bits per byte  ─> sweep.csv, sweep.png (`sweep_report`)
 
-The sweep asks routers only through the `Router` interface, so a router of another package,
-named by class path, sweeps as the built-in ones do. When the setting is an angle threshold, the
-oracle curve skips a sublayer where its *measured* contribution angle is below it
-(`Transformer.set_oracle`): it knows the angle only after computing the sublayer, so it saves no
-compute; for a model trained without a router it bounds from above what a predictor of the angle
-could reach at the same MoD rate. A model trained with routing never ran dense, so there it is a
+The sweep asks routers only through `sweepable.sweep_of`, so a router of another package, named by
+class path, that implements `Sweepable` sweeps as the built-in ones do. When the setting is an
+angle threshold, the oracle curve skips a sublayer where its *measured* contribution angle is
+below it (`oracle`): it knows the angle only after computing the sublayer, so it saves no compute;
+for a model trained without a router it bounds from above what a predictor of the angle could
+reach at the same MoD rate. A model trained with routing never ran dense, so there it is a
 reference, not a bound.
 """
 
@@ -29,8 +29,10 @@ from torch import Tensor
 
 from nag_lightning.analysis.checks import check_at_least_one, check_device, check_not_empty, check_seed
 from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, saved_module
+from nag_lightning.analysis.oracle import oracle as oracle_of
 from nag_lightning.analysis.probes import attach_sweep_routers, fit_probes
 from nag_lightning.analysis.sweep_report import ORACLE, SweepRow, plot, report, write_csv
+from nag_lightning.analysis.sweepable import RouterSweep, sweep_of
 from nag_lightning.checkpoint import read_saved
 from nag_lightning.flops import full_depth_forward_flops
 from nag_lightning.model import SUBLAYER_KINDS, Transformer
@@ -79,8 +81,8 @@ def run_sweep(
 ) -> list[SweepRow]:
     """Evaluate a trained `NAGLanguageModel` over routing settings; see the module docstring.
     The values swept are `values`, else `taus` for a setting named tau, `capacities` for one named
-    capacity, else the router's defaults (`Router.default_sweep_values`). `router_options` go to
-    the routers attached to a model trained without one (`Router.for_sweep`)."""
+    capacity, else the router's defaults (`Sweepable.default_sweep_values`). `router_options` go to
+    the routers attached to a model trained without one."""
     model: Transformer = module.model
     model.requires_grad_(False).eval()
     routers = routed_routers(model)
@@ -100,12 +102,8 @@ def run_sweep(
             fit_probes(model, attached, fit_batches, fit_lr)
         routers = routed_routers(model)
     kind = type(routers[0])
-    setting = kind.sweep_setting
-    if setting is None:
-        raise ValueError(
-            f"The router {plugin_name(kind)!r} has no setting to "
-            "sweep after training (Router.sweep_setting); sweep a model trained with another router."
-        )
+    adapter = sweepable(kind)
+    setting = adapter.setting
     swept = plugin_name(kind)
     seq_len = val_batches[0].shape[1] - 1
     dense_flops = full_depth_forward_flops(model.cfg, seq_len) / seq_len
@@ -121,23 +119,32 @@ def run_sweep(
             predictor_agreement=result["predictor_agreement"], val_batches=len(val_batches),
         ))
 
-    if kind.sweep_baseline is not None:
-        add(kind.sweep_baseline, float(getattr(routers[0], setting)))
+    if adapter.baseline is not None:
+        add(adapter.baseline, float(getattr(routers[0], setting)))
     chosen = values if values is not None else {"tau": taus, "capacity": capacities}.get(setting)
     if chosen is None:
-        chosen = kind.default_sweep_values(routers, read_inputs(model, routers, val_batches[0]))
+        chosen = adapter.default_values(routers, read_inputs(model, routers, val_batches[0]))
     for value in chosen:
         with ExitStack() as stack:
             for router in routers:
-                stack.enter_context(router.sweeping(value))
+                stack.enter_context(adapter.sweeping(router, value))
             add(swept, value)
-        if oracle and kind.sweep_setting_is_angle:
-            model.set_oracle(value)
-            try:
+        if oracle and adapter.setting_is_angle:
+            with oracle_of(model, value):
                 add(ORACLE, value)
-            finally:
-                model.set_oracle(None)
     return rows
+
+
+def sweepable(kind: type[Router]) -> RouterSweep:
+    """How the sweep varies the router class `kind`, or one sentence that it cannot."""
+    adapter = sweep_of(kind)
+    if adapter is None or adapter.setting is None:
+        raise ValueError(
+            f"The router {plugin_name(kind)!r} cannot be swept: it names no setting to vary after "
+            "training (implement nag_lightning.analysis.sweepable.Sweepable on it), so sweep a model "
+            "trained with another router."
+        )
+    return adapter
 
 
 def sweep(
@@ -187,7 +194,7 @@ def sweep(
         trust_checkpoint: let the checkpoint's residual or router import and call a class path
             outside the registered plugins, and its data settings name the files to read and write;
             only for checkpoints whose origin you trust.
-        values: values of the router's setting to sweep, for any router (Router.sweep_setting);
+        values: values of the router's setting to sweep, for any sweepable router (its setting);
             None: taus or capacities, else the router's defaults.
         router_options: options of the routers attached to a model trained without one, e.g.
             {predictor: angle}: skip on the angle NAG's gate plans, with no probe to fit (the
@@ -211,10 +218,10 @@ def sweep(
     out = Path(out_dir) if out_dir is not None else default_out_dir(ckpt_path)
     cfg = module.config
     title = f"{_name(cfg.residual)}, router {_name(cfg.router)}, {len(val)} val batches"
-    kind = type(routed_routers(module.model)[0])
-    as_trained = () if kind.sweep_baseline is None else (kind.sweep_baseline,)
+    adapter = sweepable(type(routed_routers(module.model)[0]))
+    as_trained = () if adapter.baseline is None else (adapter.baseline,)
     return {"csv": write_csv(rows, out / "sweep.csv"),
-            "png": plot(rows, out / "sweep.png", title, trained_routed, as_trained, kind.sweep_labels)}
+            "png": plot(rows, out / "sweep.png", title, trained_routed, as_trained, adapter.labels)}
 
 
 def check_sweep_options(val_batches: int, fit_batches: int, fit_lr: float, device: str, seed: int,

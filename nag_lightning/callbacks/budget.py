@@ -16,8 +16,11 @@ The stop is `trainer.should_stop`, so Lightning runs a last validation at that s
 number of an iso-FLOP table) and honours `trainer.min_steps` / `min_epochs` if they are set.
 
 `progress`, the fraction of the budget spent so far, places the decay of the warmup-stable-decay
-learning-rate schedule (`model.schedule: wsd`) at the end of each run's own budget. Any module opts
-in the same way: its scheduler reads `progress` at every step, e.g. a linear decay toward zero at
+learning-rate schedule (`model.schedule: wsd`) at the end of each run's own budget. At setup, before
+the optimizers are configured, the budget hands itself to a module that has a
+`follow_budget(budget)` hook (the package's `NAGLanguageModel` does), so the module never looks
+for its callbacks. Any module opts in the same way, or finds the budget itself: its scheduler
+reads `progress` at every step, e.g. a linear decay toward zero at
 the end of the budget (Lightning steps schedulers before the callbacks' end of the batch, so a
 step's rate follows the FLOPs spent up to the step before it):
 
@@ -91,6 +94,9 @@ class FlopBudget(L.Callback):
             )
         self._accounting = accounting
         self._counted_steps = accounting.steps
+        follow = getattr(pl_module, "follow_budget", None)  # optional: any module may train here
+        if callable(follow):
+            follow(self)
         self.stopped_at = self.spent = None
         self._saved_budget = None
         if self.reference_tokens is not None:

@@ -4,8 +4,9 @@ Some strategies constrain the weights themselves, not just the stream: nGPT (arX
 keeps every weight matrix unit-norm along the embedding axis by renormalizing after each optimizer
 step. The strategy says how (`ResidualStrategy.project_weights`); this callback says when: once at
 the start of fit, so training starts on the constraint, then after every optimizer step. The
-LightningModule adds it on its own for a strategy that overrides `project_weights`, so naming the
-strategy is enough to get the whole method.
+LightningModule adds it on its own for a strategy that overrides `project_weights`
+(`ResidualStrategy.training_callbacks` names it), so naming the strategy is enough to get the whole
+method.
 """
 
 from __future__ import annotations

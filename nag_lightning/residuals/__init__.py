@@ -90,6 +90,16 @@ class ResidualStrategy(nn.Module):
         method requires; training calls it at the start of fit and after every optimizer step.
         Nothing by default; nGPT keeps every weight matrix unit-norm along the embedding axis."""
 
+    @property
+    def training_callbacks(self) -> tuple[str, ...]:
+        """Class paths of the Lightning callbacks the strategy's method needs in training, which
+        the LightningModule adds on its own: by default weight projection for a strategy that
+        overrides `project_weights`, else none. Paths, not classes, so the model needs no
+        Lightning."""
+        if type(self).project_weights is ResidualStrategy.project_weights:
+            return ()
+        return ("nag_lightning.callbacks.WeightProjection",)
+
 
 RESIDUALS: Registry[ResidualStrategy] = Registry("residual strategy", "nag_lightning.residuals")
 

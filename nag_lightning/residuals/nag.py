@@ -21,15 +21,15 @@ token turns only where the sublayer is worth it, and the radial update follows t
 (gate_radial), so a token the gate barely turns barely changes at all. Without the price nearly
 every token turned by a similar angle, and without the tie the price moved the work of
 low-angle tokens into the radial lane; with both, skipping the quarter of smallest angles after
-training costs less than it costs pre-norm, at the unpriced gate's quality (docs/results.md,
-section 0). `angle_cost: 0, gate_radial: false` gives the unpriced gate.
+training costs less than it costs pre-norm, at the unpriced gate's quality
+(docs/results_history.md, section 0). `angle_cost: 0, gate_radial: false` gives the unpriced gate.
 
-`angle="magnitude"`, the first formulation and the default until the gate was measured, takes the
-angle from the size of f instead: θ = θmax·tanh(g·α_l·|f⊥| / (√d·θmax)) (θmax = 4/N). Adam then
-grows |f⊥| until nearly every token sits on the bound (the q10/q90 spread of θ across tokens
+`angle="magnitude"`, the first formulation, takes the angle from the size of f instead:
+θ = θmax·tanh(g·α_l·|f⊥| / (√d·θmax)) (θmax = 4/N). Adam then grows |f⊥| until nearly every token
+sits on the bound (the q10/q90 spread of θ across tokens
 measured 0.99-1.00 at NAG's best learning rate), and θ says nothing about which tokens a sublayer
 matters for. The gate cannot be pushed to the bound by scaling the sublayer, it is known before
-the sublayer runs, and it trained better from 8 blocks on, as well at 4 (docs/results.md,
+the sublayer runs, and it trained better from 8 blocks on, as well at 4 (docs/results_history.md,
 sections 0 and 2).
 """
 
@@ -59,10 +59,9 @@ class NAGResidual(ResidualStrategy):
             min(8 / n_sublayers, pi / 2) for the gated angle, 4 / n_sublayers for the magnitude
             angle. Rotations toward a direction shared by many tokens add up linearly
             over depth and shrink what tells tokens apart by cos(theta) per sublayer, so the bound
-            must fall like 1/depth: with pi/2 (width 64, 8 or 16 blocks) every token collapsed
-            onto one direction within three blocks and training stalled at unigram loss. For
-            the magnitude angle 4/N beat 2/N and 8/N; the gate, which learns to turn most
-            tokens well below the bound, did better with 8/N than 4/N (docs/results.md).
+            must fall like 1/depth: with pi/2 every token collapses onto one direction within a
+            few blocks. The defaults are the best of 2/N, 4/N and 8/N measured for each angle
+            (docs/results_history.md, section 1).
         alpha_init: initial rotation scale of every sublayer (magnitude angle only); None means
             1/sqrt(n_sublayers).
         beta_init: initial scale of the radial (log-norm) update of every sublayer.
@@ -74,21 +73,21 @@ class NAGResidual(ResidualStrategy):
         kernel: "auto" (Triton on CUDA tensors, PyTorch elsewhere), "triton" or "torch".
         angle: "gate" (theta_max * sigmoid(sqrt(d) <w_l, u> + b_l) * g; alpha and bound are
             unused) or "magnitude" (the bounded size of the sublayer's tangential output); see
-            the module docstring. None means "gate", or, when a checkpoint is loaded, the angle
-            it was trained with.
+            the module docstring. None means "gate"; a checkpoint loads only into a model of its
+            own angle, since the angle decides which parameters exist.
         gate_bias: initial b_l of the gated angle (0: every token starts at theta_max / 2).
         angle_cost: weight of a training loss on the gated angle, angle_cost times the mean over
             sublayers and tokens of theta / theta_max (added to the auxiliary loss): a price on
             turning, so a token turns only where the sublayer is worth it to the language loss,
             and skipping the tokens of smallest angle after training costs less. None means
             0.03 for the gated angle (0 for the magnitude angle, which it cannot price), or, when
-            a checkpoint is loaded, the price it was trained under (0 for one saved before the
-            option was); a value given wins over the checkpoint's, to go on training under it.
+            a checkpoint is loaded, the price it was trained under; a value given wins over the
+            checkpoint's, to go on training under it.
         gate_radial: scale the radial (log-norm) update of the gated angle by theta / theta_max
             as well, so a token its gate barely turns keeps its norm too: the whole write follows
             the gate, and skipping a token of small angle loses little of either lane. None
             means on for the gated angle, or, when a checkpoint is loaded, what it was trained
-            with (off for one saved before the option was).
+            with.
     """
 
     def __init__(
@@ -107,8 +106,8 @@ class NAGResidual(ResidualStrategy):
         gate_radial: bool | None = None,
     ) -> None:
         super().__init__(d_model, n_sublayers)
-        # Which settings were given, not defaulted: a checkpoint written before the settings were
-        # saved in it (see _load_from_state_dict) was trained under the defaults of that time.
+        # Which settings were given, not defaulted: a checkpoint's settings replace defaulted ones
+        # and must agree with given ones (set_extra_state).
         self._given = {"theta_max": theta_max is not None, "norm_lane_readout": norm_lane_readout is not None,
                        "bound": bound != "tanh", "angle": angle is not None,
                        "angle_cost": angle_cost is not None, "gate_radial": gate_radial is not None}
@@ -157,18 +156,15 @@ class NAGResidual(ResidualStrategy):
             self.gate_w = nn.Parameter(torch.zeros(n_sublayers, d_model))
             self.gate_b = nn.Parameter(torch.full((n_sublayers,), float(gate_bias)))
 
-    GATE_PARAMETERS = ("gate_w", "gate_b")
-    # The defaults of the gated angle, picked at 8 blocks (docs/results.md, section 0): with them
-    # skipping the quarter of smallest angles after training costs less than pre-norm's, at the
-    # quality of the unpriced gate.
+    # The defaults of the gated angle: with them skipping the quarter of smallest angles after
+    # training costs less than pre-norm's, at the quality of the unpriced gate
+    # (docs/results_history.md, section 0, "The price of turning").
     ANGLE_COST = 0.03
     GATE_RADIAL = True
 
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
     SETTINGS = ("theta_max", "norm_lane_readout", "bound", "angle", "angle_cost", "gate_radial")
-    # What a checkpoint saved before a setting was means by its absence: the behaviour of that time.
-    ABSENT = {"angle": "magnitude", "angle_cost": 0.0, "gate_radial": False}
     # Settings of the training objective, not of the function the weights compute: a value given
     # to the model (to go on training under another price) wins over the checkpoint's.
     OBJECTIVE = ("angle_cost",)
@@ -189,31 +185,16 @@ class NAGResidual(ResidualStrategy):
                     f"The checkpoint was trained with {name}={value}; this model was given "
                     f"{name}={getattr(self, name)}: drop the option or give the checkpoint's value."
                 )
+        if state.get("angle", self.angle) != self.angle:  # the angle decides the parameters
+            raise ValueError(
+                f"The checkpoint was trained with angle={state['angle']}; this model was built with "
+                f"angle={self.angle}: give residual_options angle={state['angle']}."
+            )
         for name in self.SETTINGS:
-            setattr(self, name, given.get(name, state.get(name, self.ABSENT.get(name))))
+            setattr(self, name, given.get(name, state.get(name, getattr(self, name))))
         if self.angle_cost and self.angle != "gate":
             raise ValueError(f"The checkpoint was trained with angle={self.angle}, and angle_cost prices "
                              "the gated angle only: drop angle_cost.")
-
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
-        key = prefix + "_extra_state"
-        if key not in state_dict:  # saved before the settings were: the defaults of that time
-            state_dict[key] = {
-                "theta_max": self.theta_max if self._given["theta_max"] else 2.0 / self.n_sublayers,
-                "norm_lane_readout": self.norm_lane_readout if self._given["norm_lane_readout"] else False,
-                "bound": self.bound,
-                **self.ABSENT,
-            }
-        saved = state_dict[key]
-        if isinstance(saved, dict) and not self._given["angle"]:
-            # A checkpoint of the magnitude angle (every one written before the gate became the
-            # default) into a model built with the defaults: it has no gate, so the model drops
-            # its own before the parameters are matched. (The settings follow in set_extra_state.)
-            if saved.get("angle", "magnitude") == "magnitude" and self.angle == "gate":
-                for name in self.GATE_PARAMETERS:
-                    delattr(self, name)
-                self.angle = "magnitude"
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def init_state(self, embedding: Tensor) -> State:
         self._turned, self._tokens = None, embedding.shape[:-1].numel()

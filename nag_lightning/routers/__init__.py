@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +43,8 @@ class Route:
 
 
 class Router(nn.Module):
-    """Base class of routers; one instance per routed sublayer.
-
-    After training, `nag-lightning sweep` traces accuracy against compute through the interface at
-    the end of this class (`sweep_setting`, `sweeping`, `default_sweep_values`, `for_sweep`), so it
-    handles any router, registered or named by class path, without knowing which it is.
+    """Base class of routers; one instance per routed sublayer. It holds what the model calls; what
+    `nag-lightning sweep` asks of a router lives with the sweep (`nag_lightning.analysis.sweepable`).
 
     Args:
         d_model: width of the sublayer's read input.
@@ -62,20 +58,10 @@ class Router(nn.Module):
     each token by, known before the sublayer runs (`ResidualStrategy.planned_angle`; None when the
     strategy has none). May be set per instance."""
 
-    sweep_setting: str | None = None
-    """The setting a post-training sweep varies (e.g. "tau", "capacity"), or None: nothing."""
-
-    sweep_setting_is_angle: bool = False
-    """Whether `sweep_setting` is a threshold in radians on the contribution angle, so the sweep
-    also evaluates the oracle that skips where the measured angle is below the same value."""
-
-    sweep_baseline: str | None = None
-    """Name of a sweep row evaluated with the routers as trained, before any setting is changed
-    (top-k: its causal predictor), or None for no such row."""
-
-    sweep_labels: dict[str, str] = {}
-    """Legend labels of the sweep's rows of this router (by row name), where its name says too
-    little; the others are labelled '<name> (sweep of <setting>)'."""
+    needs_contribution: bool = False
+    """Whether `observe` needs the measured contribution angle in every training and evaluation
+    pass (the threshold router regresses on it). False (the default) lets a residual strategy skip
+    computing the angle when nothing else records it, so `observe` may then get None."""
 
     def __init__(self, d_model: int) -> None:
         super().__init__()
@@ -138,30 +124,6 @@ class Router(nn.Module):
         current state (a threshold still settling), or None (the default)."""
         return None
 
-    # ---- post-training sweep ------------------------------------------------------------------
-
-    @contextmanager
-    def sweeping(self, value: float) -> Iterator[None]:
-        """Inside the block, evaluation routes with `sweep_setting` at `value`; on leaving it,
-        the router is as it was. Needed when `sweep_setting` is not None."""
-        raise NotImplementedError(f"{type(self).__name__} names no sweep_setting to sweep.")
-        yield  # pragma: no cover - makes this a generator, as overrides are
-
-    @classmethod
-    def default_sweep_values(cls, routers: list[Router], inputs: list[Tensor]) -> list[float]:
-        """The values of `sweep_setting` a sweep evaluates when the user gives none: `routers` are
-        the model's routers of this class, `inputs` the read input h (B, T, d) each saw on one
-        validation batch."""
-        raise NotImplementedError(f"{cls.__name__} names no sweep_setting to sweep.")
-
-    def for_sweep(self, fit_steps: int, **options: object) -> Router | None:
-        """A router to put in this one's place before a post-training sweep of a model that was
-        trained without routing, or None to sweep this one as it is. The sweep fits the new
-        router's parameters (if it has any) on `fit_steps` training batches through its
-        `aux_loss`, the model frozen, so it must learn from `observe` in training mode. `options`
-        are the sweep's `router_options` for that router, passed only when the user gave some."""
-        return None
-
 
 ROUTERS: Registry[Router] = Registry("router", "nag_lightning.routers")
 
@@ -174,15 +136,6 @@ class NoRouter(Router):
 
     def forward(self, h: Tensor) -> Route:
         return Route()
-
-    def for_sweep(self, fit_steps: int, **options: object) -> Router:
-        """A model trained without routing is swept with threshold routers: the contribution angle
-        needs no training of the model to predict, only of a probe (or none, with `predictor:
-        angle` for a residual that knows its angle in advance). Every token runs while the probe
-        is fitted."""
-        cls = ROUTERS.get("threshold")
-        ROUTERS.check_options(cls, options, ("d_model",), "router_options")
-        return cls(self.d_model, **{"warmup_steps": fit_steps, **options})
 
 
 def build_router(spec: str | dict, d_model: int, **options: object) -> Router:

@@ -55,8 +55,6 @@ Choices:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -75,10 +73,6 @@ EVAL_SETTLING_STEPS = 200
 """Training forwards before evaluation's tau follows the predictions: it averages training batches'
 thresholds, which lag predictions that still move fast, and the model moves on after each batch
 (docs/routing.md: per sublayer 8-83% for a 25% target after 15 steps, 28% after 200-400)."""
-
-SWEEP_RATE_QUANTILES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6)
-"""Quantiles of the predicted angles a post-training sweep puts tau at by default: MoD rates from
-0 to about 60%."""
 
 
 def inverse_softplus(y: Tensor) -> Tensor:
@@ -102,8 +96,7 @@ class ThresholdRouter(Router):
         tau_average: weight of the newest training batch's own target threshold (the one that
             would have skipped the target share of it) in the running average that evaluation
             and generation use. The predictions drift as the model trains, and a long average
-            lags them: at 0.05 evaluation skipped 31% where 150 steps of the 25% MoD recipe had
-            trained at 25%; at 0.2, 27%.
+            lags them, so evaluation skips more than training did (docs/routing.md).
         calibration: weight of each batch in the running correction of b that keeps the mean
             predicted angle on the measured one.
         warmup_steps: training forward passes at the start during which every token runs, so the
@@ -114,9 +107,6 @@ class ThresholdRouter(Router):
     """
 
     needs_contribution = True
-    sweep_setting = "tau"
-    sweep_setting_is_angle = True
-    sweep_labels = {"threshold": "threshold router (sweep of tau)"}
 
     def __init__(
         self,
@@ -365,28 +355,3 @@ class ThresholdRouter(Router):
     def stats(self) -> dict[str, float]:
         """tau, the probe's MSE and the mean predicted and measured angle of executed tokens."""
         return {k: v.item() for k, v in self._stats.items()}
-
-    @contextmanager
-    def sweeping(self, value: float) -> Iterator[None]:
-        """Evaluate with tau = `value` radians."""
-        if value < 0:
-            raise ValueError(f"A threshold tau is an angle in radians and cannot be negative; got {value}.")
-        trained = self.tau.clone()
-        self.tau.fill_(value)
-        try:
-            yield
-        finally:
-            self.tau.copy_(trained)
-
-    @classmethod
-    @torch.no_grad()
-    def default_sweep_values(cls, routers: list[Router], inputs: list[Tensor]) -> list[float]:
-        """tau at quantiles of the predicted angles, pooled over the routed sublayers, so the sweep
-        spans MoD rates from 0 to about 60%; the first is 0, which skips nothing. (The angle
-        predictor's are those of the forward pass that read `inputs`.)"""
-        predictions = [r.predict(h) if r.predictor == "probe" else r.last_prediction
-                       for r, h in zip(routers, inputs)]
-        pooled = torch.cat([p.flatten().float() for p in predictions]).cpu()
-        taus = torch.quantile(pooled, torch.tensor(SWEEP_RATE_QUANTILES, dtype=pooled.dtype))
-        taus[0] = 0.0
-        return sorted({round(t, 6) for t in taus.tolist()})

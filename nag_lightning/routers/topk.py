@@ -18,8 +18,7 @@ top-k is reported in `stats()`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +27,6 @@ from torch import Tensor, nn
 from nag_lightning.routers import ROUTERS, Route, Router
 
 EVAL_ROUTING = ("predictor", "topk")
-SWEEP_CAPACITIES = (1.0, 0.9, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4, 0.3)
-"""The capacities a post-training sweep evaluates the exact top-k at by default."""
 
 
 @ROUTERS.register("topk")
@@ -44,11 +41,6 @@ class TopKRouter(Router):
         eval_routing: "predictor" (causal, the default) routes eval and generation with the
             predictor; "topk" uses the exact, non-causal top-k there too (analysis only).
     """
-
-    sweep_setting = "capacity"
-    sweep_baseline = "topk_predictor"  # the causal predictor at the trained capacity
-    sweep_labels = {"topk": "top-k, exact (non-causal, analysis only)",
-                    "topk_predictor": "top-k, causal predictor (as trained)"}
 
     def __init__(
         self,
@@ -142,23 +134,3 @@ class TopKRouter(Router):
     def stats(self) -> dict[str, float]:
         """Predictor BCE and its agreement with the true top-k on the last forward pass."""
         return {"capacity": self.capacity, **{k: v.item() for k, v in self._stats.items()}}
-
-    @contextmanager
-    def sweeping(self, value: float) -> Iterator[None]:
-        """Evaluate with the exact (non-causal) top-k at capacity `value`: analysis only."""
-        if not 0 < value <= 1:
-            raise ValueError(
-                f"A top-k capacity is the fraction of tokens that run each routed sublayer, in (0, 1]; "
-                f"got {value}: sweep values in that range."
-            )
-        trained = self.capacity, self.eval_routing
-        self.capacity, self.eval_routing = value, "topk"
-        try:
-            yield
-        finally:
-            self.capacity, self.eval_routing = trained
-
-    @classmethod
-    def default_sweep_values(cls, routers: list[Router], inputs: list[Tensor]) -> list[float]:
-        """Capacities from 1.0 (every token) down to 0.3."""
-        return list(SWEEP_CAPACITIES)

@@ -1,0 +1,151 @@
+"""Checkpoints and configs of earlier releases, brought to the current format before anything is built.
+
+Like torchtitan's state-dict adapter, this is the one module that knows earlier formats: the model,
+its plugins and the commands see only the current one. The checkpoint reader
+(`nag_lightning.checkpoint.read_saved`) passes every checkpoint it reads through
+`upgrade_checkpoint`, so a run resumed, evaluated, swept or generated from reads the same, and
+every reader of saved settings goes through `current_layout`. What earlier releases wrote:
+
+- Hyper-parameters before `model.arch`: the architecture's fields flat among the training
+  settings, a plugin as `{class_path, init_args}`, unset options as None (`current_layout`).
+- NAG's state (`upgrade_nag_state`): before its settings travelled in the state dict, no
+  `_extra_state` at all (those runs trained with theta_max 2/N and no norm-lane readout, unless
+  their options said otherwise); before each later setting, no key for it (`NAG_BEFORE`). A
+  checkpoint of the magnitude angle whose options do not name it (it was the default then) gets it
+  named, so the model is built as it trained: without the gate.
+- Configs and command lines before `model.arch`: refused with one sentence that says how to
+  write them now (`refuse_older_layout`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+from nag_lightning.model import TransformerConfig
+
+ARCH = "arch"
+PLUGIN_KINDS = ("residual", "router")
+NAG_PREFIX = "model.strategy."
+"""Where a `NAGLanguageModel` checkpoint keeps the residual strategy's state."""
+
+NAG_BEFORE = {"angle": "magnitude", "angle_cost": 0.0, "gate_radial": False}
+"""What a NAG checkpoint saved before a setting existed trained with: its absence means this."""
+
+
+def architecture_fields() -> list[str]:
+    """The settings of `TransformerConfig`, in declaration order."""
+    return [f.name for f in fields(TransformerConfig)]
+
+
+def current_layout(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """`saved` (a checkpoint's hyperparameters) in the current layout: architecture fields saved
+    flat move under `arch` (when there is no `arch`), plugins named by a `{class_path, init_args}`
+    mapping become the class path and its options; None for options or route_kinds means their
+    defaults."""
+    settings = {k: v for k, v in saved.items() if k not in architecture_fields()}
+    if ARCH in saved:  # the current layout: flat fields beside it are not read (nor built)
+        arch = dict(saved[ARCH] or {})
+    else:
+        arch = {k: v for k, v in saved.items() if k in architecture_fields()}
+    for kind in PLUGIN_KINDS:
+        spec = arch.get(kind)
+        if isinstance(spec, Mapping) and "class_path" in spec:
+            arch[kind] = spec["class_path"]
+            arch[f"{kind}_options"] = {**dict(spec.get("init_args") or {}),
+                                       **dict(arch.get(f"{kind}_options") or {})}
+    for key in ("residual_options", "router_options", "route_kinds"):
+        if key in arch and arch[key] is None:
+            del arch[key]
+    if arch:
+        settings[ARCH] = arch
+    return settings
+
+
+def upgrade_checkpoint(raw: dict) -> dict:
+    """`raw`, a checkpoint as read (and checked to be one), with NAG's state complete and, where the
+    checkpoint trained with the magnitude angle as the default of its time, that angle named in its
+    residual options; in place. The hyper-parameters keep their layout (the trust check reads them
+    as written); every reader of them goes through `current_layout`."""
+    saved, state = raw.get("hyper_parameters"), raw.get("state_dict")
+    if not (isinstance(saved, dict) and isinstance(state, dict)):
+        return raw
+    options = dict(current_layout(saved).get(ARCH, {}).get("residual_options") or {})
+    if upgrade_nag_state(state, options):
+        where = saved[ARCH] if isinstance(saved.get(ARCH), dict) else saved
+        where["residual_options"] = {**(where.get("residual_options") or {}), "angle": "magnitude"}
+    return raw
+
+
+def upgrade_nag_state(state: dict, options: Mapping[str, Any], prefix: str = NAG_PREFIX) -> bool:
+    """Complete the saved settings of a NAG strategy (any class that keeps NAG's state, named or
+    by class path) in `state`, in place, given the checkpoint's residual `options`; other
+    strategies' states are left alone. Returns whether the checkpoint trained with the magnitude
+    angle while `options` leave the angle to the default, which is the gate now."""
+    key = prefix + "_extra_state"
+    alpha = state.get(prefix + "alpha")
+    if key not in state:
+        if not (torch.is_tensor(alpha) and alpha.ndim == 1 and prefix + "beta" in state):
+            return False  # not NAG's parameters
+        state[key] = {  # saved before the settings were
+            "theta_max": _given(options, "theta_max", 2.0 / alpha.shape[0]),
+            "norm_lane_readout": _given(options, "norm_lane_readout", False),
+            "bound": options.get("bound", "tanh"),
+        }
+    settings = state[key]
+    if not isinstance(settings, dict) or "theta_max" not in settings:
+        return False  # another strategy's extra state
+    for name, value in NAG_BEFORE.items():
+        settings.setdefault(name, value)
+    return settings["angle"] == "magnitude" and options.get("angle") is None
+
+
+def _given(options: Mapping[str, Any], name: str, default: object) -> object:
+    return default if options.get(name) is None else options[name]
+
+
+def legacy_settings(model: Mapping[str, Any]) -> list[str]:
+    """The keys of a `model` section of a config (or command line) written in the layout before
+    `model.arch`, which would otherwise fail without saying why."""
+    return [key for key in model if key in architecture_fields()]
+
+
+def legacy_layout_sentence(where: str, keys: list[str]) -> str:
+    """The one sentence that says how an older config maps to the current one."""
+    return (
+        f"{where} sets {', '.join(f'model.{k}' for k in keys)}, but the architecture settings "
+        f"({', '.join(architecture_fields())}) now live under model.arch: write "
+        f"model.arch.{keys[0]} for model.{keys[0]}, and a plugin's options in "
+        "model.arch.residual_options or model.arch.router_options rather than class_path/init_args "
+        "(docs/usage.md, 'Configs written before model.arch')."
+    )
+
+
+def refuse_older_layout(argv: list[str]) -> None:
+    """One sentence, instead of the parser's list of unknown keys, for a config file or option
+    written before the architecture moved under `model.arch`."""
+    import yaml
+
+    options = [a.split("=", 1)[0][len("--model."):] for a in argv if a.startswith("--model.")]
+    keys = legacy_settings(options)
+    if keys:
+        raise ValueError(legacy_layout_sentence("The command line", keys))
+    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    files += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in files:
+        try:
+            with open(path) as handle:
+                config = yaml.safe_load(handle)
+        except (OSError, yaml.YAMLError):
+            continue  # the parser says what is wrong with it
+        if not isinstance(config, dict):
+            continue
+        # the model section at the top, or under a subcommand (`--config` before `fit`)
+        for section in [config, *(v for v in config.values() if isinstance(v, dict))]:
+            model = section.get("model")
+            keys = legacy_settings(model) if isinstance(model, dict) else []
+            if keys:
+                raise ValueError(legacy_layout_sentence(f"The config {path}", keys))

@@ -1,0 +1,89 @@
+"""Checkpoints of earlier releases go through `nag_lightning.compat` and work in every command; the
+class paths earlier runs saved in their configs and checkpoints still resolve."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from nag_lightning.compat import upgrade_checkpoint
+from tests.helpers import run_command
+from tests.test_saved_settings import data_args, debug_checkpoint, flat_layout, sweeps_and_generates
+
+DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
+
+SAVED_CLASS_PATHS = (
+    "nag_lightning.module.NAGLanguageModel",  # hyper_parameters["_class_path"], config.yaml's model
+    "nag_lightning.data.ByteDataModule",
+    "nag_lightning.ByteDataModule",
+    "nag_lightning.tasks.datamodule.TaskDataModule",
+    "nag_lightning.callbacks.FlopAccounting",
+    "nag_lightning.callbacks.FlopBudget",
+    "nag_lightning.callbacks.RunCheckpoint",
+    "nag_lightning.callbacks.DepthDiagnostics",
+    "nag_lightning.callbacks.WeightProjection",
+    "nag_lightning.callbacks.routing.RoutingStats",
+    "nag_lightning.residuals.nag.NAGResidual",
+    "nag_lightning.routers.threshold.ThresholdRouter",
+    "nag_lightning.routers.topk.TopKRouter",
+)
+"""Class paths the configs, recipes and checkpoints of earlier runs name."""
+
+
+@pytest.mark.parametrize("path", SAVED_CLASS_PATHS)
+def test_class_paths_saved_by_earlier_runs_resolve(path):
+    module, _, name = path.rpartition(".")
+    assert isinstance(getattr(importlib.import_module(module), name), type)
+
+
+@pytest.fixture(scope="module")
+def oldest_checkpoint(tmp_path_factory) -> Path:
+    """A NAG checkpoint as the first releases wrote it: the magnitude angle, then the default, so
+    not in its options; no settings in the state dict; the architecture flat."""
+    root = tmp_path_factory.mktemp("oldest")
+    checkpoint = debug_checkpoint(root, "{angle: magnitude, theta_max: 0.25}")
+    del checkpoint["state_dict"]["model.strategy._extra_state"]
+    checkpoint["hyper_parameters"] = flat_layout(checkpoint["hyper_parameters"])
+    assert checkpoint["hyper_parameters"]["residual"]["init_args"] == {"theta_max": 0.25}
+    torch.save(checkpoint, root / "oldest.ckpt")
+    return root / "oldest.ckpt"
+
+
+def test_the_reader_completes_the_oldest_nag_state():
+    alpha, beta = torch.zeros(4), torch.zeros(4)
+    raw = {"hyper_parameters": {"n_layers": 2, "residual": "nag", "residual_options": None},
+           "state_dict": {"model.strategy.alpha": alpha, "model.strategy.beta": beta}}
+    upgrade_checkpoint(raw)  # the layout stays as saved; the angle of its time is named in it
+    assert raw["hyper_parameters"] == {"n_layers": 2, "residual": "nag",
+                                       "residual_options": {"angle": "magnitude"}}
+    assert raw["state_dict"]["model.strategy._extra_state"] == {
+        "theta_max": 0.5, "norm_lane_readout": False, "bound": "tanh", "angle": "magnitude",
+        "angle_cost": 0.0, "gate_radial": False}
+    gated = {"hyper_parameters": {"arch": {"residual": "nag"}},
+             "state_dict": {"model.strategy._extra_state": {"theta_max": 1.0, "angle": "gate"}}}
+    upgrade_checkpoint(gated)
+    assert gated["hyper_parameters"]["arch"] == {"residual": "nag"}  # the default angle: nothing to name
+    assert gated["state_dict"]["model.strategy._extra_state"]["angle_cost"] == 0.0
+
+
+def test_the_oldest_nag_checkpoint_loads_resumes_sweeps_and_generates(oldest_checkpoint, tmp_path,
+                                                                    capsysbinary, monkeypatch):
+    from nag_lightning.module import NAGLanguageModel
+
+    module = NAGLanguageModel.load_from_checkpoint(oldest_checkpoint)
+    strategy = module.model.strategy
+    assert (strategy.angle, strategy.theta_max, strategy.norm_lane_readout) == ("magnitude", 0.25, False)
+    assert not hasattr(strategy, "gate_w")
+    weights = torch.load(oldest_checkpoint, weights_only=True)["state_dict"]
+    torch.testing.assert_close(strategy.alpha, weights["model.strategy.alpha"])
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run_command(["fit", "--config", DEBUG, *data_args(oldest_checkpoint),
+                                  "--trainer.max_steps=3", f"--ckpt_path={oldest_checkpoint}"], capsysbinary)
+    assert status == 0, err[-2000:]
+    resumed = torch.load(tmp_path / "runs/debug/version_0/checkpoints/last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 3
+    assert resumed["state_dict"]["model.strategy._extra_state"]["angle"] == "magnitude"
+    sweeps_and_generates(oldest_checkpoint, tmp_path, capsysbinary)
