@@ -58,12 +58,12 @@ class NagCLI:
         from jsonargparse import lazy_instance
 
         from nag_lightning.callbacks import DepthDiagnostics, RunCheckpoint
-        from nag_lightning.data import ByteDataModule
+        from nag_lightning.data import TextDataModule
         from nag_lightning.trust import TRUST_HELP
 
         # Any data module by class_path (task data: nag_lightning.tasks.datamodule.TaskDataModule), the text
         # one by default, so `data: {source: ...}` and `--data.source` need no class_path.
-        parser.set_defaults({"data": lazy_instance(ByteDataModule)})
+        parser.set_defaults({"data": lazy_instance(TextDataModule)})
         parser.link_arguments("model.arch.seq_len", "data.init_args.seq_len")
         # The vocabulary follows the tokenizer, known once the data module exists (a BPE is
         # trained then), so the link applies at instantiation.
@@ -408,7 +408,7 @@ def run_lightning_cli(args: list[str] | None = None, run: bool = True) -> NagCLI
     silence_irrelevant_messages()
     return lightning_cli_class()(
         NAGLanguageModel,
-        L.LightningDataModule,  # text (ByteDataModule) by default, see add_arguments_to_parser
+        L.LightningDataModule,  # text (TextDataModule) by default, see add_arguments_to_parser
         subclass_mode_data=True,
         args=args,
         run=run,
