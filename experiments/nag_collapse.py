@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from nag_lightning import Transformer, TransformerConfig
-from nag_lightning.data import ByteDataModule
+from nag_lightning.data import TextDataModule
 
 
 def batches(count: int, seq_len: int, batch_size: int, cache_dir: str) -> list[torch.Tensor]:
-    data = ByteDataModule(seq_len=seq_len, batch_size=batch_size, cache_dir=cache_dir)
+    data = TextDataModule(seq_len=seq_len, batch_size=batch_size, cache_dir=cache_dir)
     data.prepare_data()
     data.setup()
     out = []

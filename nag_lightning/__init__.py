@@ -17,7 +17,8 @@ _LAZY = {
     "Route": "nag_lightning.routers",
     "Router": "nag_lightning.routers",
     "NAGLanguageModel": "nag_lightning.module",
-    "ByteDataModule": "nag_lightning.data",
+    "TextDataModule": "nag_lightning.data",
+    "ByteDataModule": "nag_lightning.data",  # the name of earlier releases, kept for their configs
 }
 
 
@@ -34,6 +35,6 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "RESIDUALS", "ROUTERS", "ByteDataModule", "NAGLanguageModel", "ResidualStrategy", "Route",
-    "Router", "Transformer", "TransformerConfig",
+    "RESIDUALS", "ROUTERS", "NAGLanguageModel", "ResidualStrategy", "Route", "Router",
+    "TextDataModule", "Transformer", "TransformerConfig",
 ]

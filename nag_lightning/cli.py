@@ -2,7 +2,8 @@
 
 `fit`, `validate`, `test` and `predict` are LightningCLI's, with the model and data module of this
 package and its callbacks and loggers preset. The other commands (`prepare`, and those added by the
-analysis modules) work around training and live in `COMMANDS`.
+analysis modules) work around training. Every command is one entry of the table `COMMANDS`, and
+`dispatch` runs the one a command line names.
 
 Bad input ends the command with one sentence on stderr and exit status 1; set
 NAG_LIGHTNING_TRACEBACK=1 to see the whole traceback instead.
@@ -17,6 +18,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -58,12 +60,12 @@ class NagCLI:
         from jsonargparse import lazy_instance
 
         from nag_lightning.callbacks import DepthDiagnostics, RunCheckpoint
-        from nag_lightning.data import ByteDataModule
+        from nag_lightning.data import TextDataModule
         from nag_lightning.trust import TRUST_HELP
 
         # Any data module by class_path (task data: nag_lightning.tasks.datamodule.TaskDataModule), the text
         # one by default, so `data: {source: ...}` and `--data.source` need no class_path.
-        parser.set_defaults({"data": lazy_instance(ByteDataModule)})
+        parser.set_defaults({"data": lazy_instance(TextDataModule)})
         parser.link_arguments("model.arch.seq_len", "data.init_args.seq_len")
         # The vocabulary follows the tokenizer, known once the data module exists (a BPE is
         # trained then), so the link applies at instantiation.
@@ -381,7 +383,7 @@ def run_lightning_cli(args: list[str] | None = None, run: bool = True) -> NagCLI
     silence_irrelevant_messages()
     return lightning_cli_class()(
         NAGLanguageModel,
-        L.LightningDataModule,  # text (ByteDataModule) by default, see add_arguments_to_parser
+        L.LightningDataModule,  # text (TextDataModule) by default, see add_arguments_to_parser
         subclass_mode_data=True,
         args=args,
         run=run,
@@ -442,49 +444,61 @@ def prepare_command(args: list[str]) -> None:
     print(f"prepared {path}")
 
 
-# Commands around training, imported only when used so `fit` does not pay for plotting or analysis
-# imports: name -> "module:function" taking the remaining arguments, or a table of subcommands
-# (`nag-lightning study depth ...`), each a function whose typed arguments are its options.
-COMMANDS: dict[str, str | dict[str, str]] = {
-    "prepare": "nag_lightning.cli:prepare_command",
-    "compare": "nag_lightning.analysis.compare:compare_command",
-    "sweep": "nag_lightning.analysis.sweep:sweep_command",
-    "generate": "nag_lightning.analysis.generate:generate_command",
-    "study": {
+LIGHTNING_CLI = "LightningCLI"
+"""The `run` of LightningCLI's commands: `run_lightning_cli` takes the whole command line."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command of `nag-lightning`.
+
+    Attributes:
+        run: "module:function", called with the arguments after the command's name and imported
+            only when the command runs, so `fit` does not pay for plotting or analysis imports; a
+            table of subcommands (`nag-lightning study depth ...`), each a "module:function" whose
+            typed arguments are its options; or LIGHTNING_CLI.
+        summary: its line in the top-level help, which must not import the command to describe it.
+    """
+
+    run: str | dict[str, str]
+    summary: str
+
+
+COMMANDS: dict[str, Command] = {
+    "fit": Command(LIGHTNING_CLI, "train a model (e.g. --config recipes/quickstart.yaml)"),
+    "validate": Command(LIGHTNING_CLI, "evaluate a model or checkpoint on the validation data"),
+    "test": Command(LIGHTNING_CLI, "evaluate a model or checkpoint on the test data"),
+    "predict": Command(LIGHTNING_CLI, "bits per byte of every sequence of the data"),
+    "prepare": Command("nag_lightning.cli:prepare_command",
+                       "tokenize a corpus into litdata chunks ahead of training"),
+    "compare": Command("nag_lightning.analysis.compare:compare_command",
+                       "finished runs side by side: tokens, training FLOPs, final bits per byte"),
+    "sweep": Command("nag_lightning.analysis.sweep:sweep_command",
+                     "accuracy against executed compute of a checkpoint's routing, CSV and PNG"),
+    "generate": Command("nag_lightning.analysis.generate:generate_command",
+                        "continue a prompt from a checkpoint, routing causally"),
+    "study": Command({
         "depth": "nag_lightning.analysis.depth_study:depth_study",
         "isoflop": "nag_lightning.analysis.isoflop_study:isoflop_study",
         "tradeoff": "nag_lightning.analysis.tradeoff_study:tradeoff_study",
         "tasks": "nag_lightning.analysis.tasks_study:tasks_study",
-    },
-}
-
-
-# One line each for the top-level help, which must not import the commands to describe them.
-SUMMARIES: dict[str, str] = {
-    "fit": "train a model (e.g. --config recipes/quickstart.yaml)",
-    "validate": "evaluate a model or checkpoint on the validation data",
-    "test": "evaluate a model or checkpoint on the test data",
-    "predict": "bits per byte of every sequence of the data",
-    "prepare": "tokenize a corpus into litdata chunks ahead of training",
-    "compare": "finished runs side by side: tokens, training FLOPs, final bits per byte",
-    "sweep": "accuracy against executed compute of a checkpoint's routing, CSV and PNG",
-    "generate": "continue a prompt from a checkpoint, routing causally",
-    "study": "experiments of many runs: depth, isoflop, tradeoff, tasks",
+    }, "experiments of many runs: depth, isoflop, tradeoff, tasks"),
 }
 
 
 def top_level_help() -> str:
     """The help of `nag-lightning` itself, written without importing Lightning (seconds) or torch."""
-    def lines(names):
-        return "\n".join(f"  {name:<10} {SUMMARIES.get(name, '')}" for name in names)
+    def lines(lightning: bool):
+        return "\n".join(f"  {name:<10} {command.summary}" for name, command in COMMANDS.items()
+                         if (command.run == LIGHTNING_CLI) == lightning)
 
     return (
         "usage: nag-lightning COMMAND [options]   (every command takes --help)\n\n"
         "Train and study Transformers with a norm-agnostic residual stream (NAG) and\n"
         "Mixture-of-Depths routing.\n\n"
         "Training, LightningCLI's commands (--config FILE, --print_config, every model, data and\n"
-        "trainer option):\n" + lines(("fit", "validate", "test", "predict")) + "\n\n"
-        "Around training:\n" + lines(COMMANDS) + "\n"
+        "trainer option):\n" + lines(True) + "\n\n"
+        "Around training:\n" + lines(False) + "\n"
     )
 
 
@@ -495,7 +509,7 @@ def _load(target: str) -> Callable:
 
 def run_subcommand(command: str, args: list[str]) -> None:
     """`nag-lightning COMMAND NAME [options]` for a command with a table of subcommands."""
-    table = COMMANDS[command]
+    table = COMMANDS[command].run
     if args and args[0] in ("-h", "--help"):
         print(f"usage: nag-lightning {command} {{{','.join(table)}}} [options]   (each takes --help)\n")
         for name, target in table.items():
@@ -511,20 +525,27 @@ def run_subcommand(command: str, args: list[str]) -> None:
     function(**options.as_dict())
 
 
+def dispatch(argv: list[str], from_shell: bool) -> None:
+    """Run the command `argv` names (its entry in `COMMANDS`); anything else is LightningCLI's (its
+    own options may come before the command: `--config FILE fit`)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(top_level_help(), end="")
+        if not argv:
+            raise ValueError("Name a command, e.g. `nag-lightning fit --config recipes/debug.yaml`.")
+        return
+    command = COMMANDS.get(argv[0])
+    if command is None or command.run == LIGHTNING_CLI:
+        run_lightning_cli(None if from_shell else argv)
+    elif isinstance(command.run, dict):
+        run_subcommand(argv[0], argv[1:])
+    else:
+        _load(command.run)(argv[1:])
+
+
 def main(argv: list[str] | None = None) -> None:
     from_shell = argv is None
-    argv = sys.argv[1:] if from_shell else argv
     try:
-        if argv and isinstance(COMMANDS.get(argv[0]), dict):
-            run_subcommand(argv[0], argv[1:])
-        elif argv and argv[0] in COMMANDS:
-            _load(COMMANDS[argv[0]])(argv[1:])
-        elif not argv or argv[0] in ("-h", "--help"):
-            print(top_level_help(), end="")
-            if not argv:
-                raise ValueError("Name a command, e.g. `nag-lightning fit --config recipes/debug.yaml`.")
-        else:
-            run_lightning_cli(None if from_shell else argv)
+        dispatch(sys.argv[1:] if from_shell else argv, from_shell)
     except (ValueError, FileNotFoundError, FloatingPointError) as error:
         if os.environ.get("NAG_LIGHTNING_TRACEBACK"):
             raise

@@ -4,7 +4,7 @@ DESIGN section 5. A FLOP is one multiply or one add, so a multiply-add counts 2 
 `torch.utils.flop_counter.FlopCounterMode`, which this count is tested against within 2%). Like
 that counter, the count covers matrix products only:
 
-    per token, per executed sublayer       C = d_model, H = int(mlp_ratio * C), V = vocab_size
+    per token, per executed sublayer       C = d_model, H = cfg.mlp_hidden, V = vocab_size
       attention projections   qkv 2·C·3C + out 2·C·C             = 8·C²
       MLP (SwiGLU)            gate_up 2·C·2H + proj 2·H·C        = 6·C·H
     per sequence, per attention sublayer
@@ -31,6 +31,10 @@ into a padded (B, K, K) block, K = the largest executed count in the batch.
 query-key pairs for a sequence of n executed tokens, is reported beside it as `attention_useful`,
 for who wants the algorithmic count.
 
+The widths, the sublayer kinds and each sublayer's weights and attention work come from the model
+(`TransformerConfig.sublayer_kinds`, `model.SUBLAYER_MODULES`), so the count follows the
+architecture instead of restating it.
+
 Training FLOPs are 3 x forward (the backward pass does two matrix products per forward one),
 except for routers, which say what their backward costs (`Router.backward_flops_per_token`): a
 part that reads a detached input, such as top-k's causal predictor, has no input gradient.
@@ -45,7 +49,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from nag_lightning.model import Transformer, TransformerConfig
+from nag_lightning.model import SUBLAYER_MODULES, Transformer, TransformerConfig
 from nag_lightning.routers import build_router
 
 TRAINING_MULTIPLIER = 3  # forward + backward (two matrix products per forward one), routers aside
@@ -63,15 +67,9 @@ def mod_rate(executed: float, tokens: float, n_sublayers: int) -> float:
 # ---------------------------------------------------------------------------------------------------
 
 
-def mlp_hidden(cfg: TransformerConfig) -> int:
-    """The SwiGLU hidden width, as `model.SwiGLU` computes it."""
-    return int(cfg.mlp_ratio * cfg.d_model)
-
-
 def sublayer_params(cfg: TransformerConfig, kind: str) -> int:
     """Weights of one attention (qkv + out) or MLP (gate_up + proj) sublayer; routers not included."""
-    C = cfg.d_model
-    return 4 * C * C if kind == "attn" else 3 * C * mlp_hidden(cfg)
+    return SUBLAYER_MODULES[kind].weights(cfg)
 
 
 def _per_token(cfg: TransformerConfig, kind: str) -> int:
@@ -81,10 +79,6 @@ def _per_token(cfg: TransformerConfig, kind: str) -> int:
 
 def head_flops_per_token(cfg: TransformerConfig) -> int:
     return 2 * cfg.d_model * cfg.vocab_size
-
-
-def _kinds(cfg: TransformerConfig) -> list[str]:
-    return ["attn", "mlp"] * cfg.n_layers  # sublayer i is block i // 2, attention first
 
 
 def router_flops_per_token(cfg: TransformerConfig, training: bool = True) -> list[int]:
@@ -111,7 +105,7 @@ class _Constants(NamedTuple):
     """Per-sublayer constants as (L,) float64 tensors on one device."""
 
     per_token: Tensor  # projections + MLP FLOPs per executed token
-    attn_coeff: Tensor  # 4·C for attention sublayers, 0 for MLPs: times K² per sequence
+    attn_coeff: Tensor  # per (query, key) pair: 4·C for attention sublayers, 0 for MLPs; x K² per sequence
     router: Tensor  # router FLOPs per scored token
     router_backward: Tensor  # router backward FLOPs per scored token of a training pass
     params: Tensor  # sublayer weights
@@ -122,7 +116,7 @@ def _constants(
     cfg: TransformerConfig, router_flops: Sequence[int], device: Any = None,
     router_backward: Sequence[int] | None = None,
 ) -> _Constants:
-    kinds = _kinds(cfg)
+    kinds = cfg.sublayer_kinds
     if router_backward is None:  # two matrix products per forward one
         router_backward = [2 * f for f in router_flops]
     if not len(router_flops) == len(router_backward) == len(kinds):
@@ -132,7 +126,7 @@ def _constants(
     as_t = lambda xs: torch.tensor(xs, dtype=torch.float64, device=device)
     return _Constants(
         per_token=as_t([_per_token(cfg, k) for k in kinds]),
-        attn_coeff=as_t([4 * cfg.d_model if k == "attn" else 0 for k in kinds]),
+        attn_coeff=as_t([SUBLAYER_MODULES[k].pair_flops(cfg) for k in kinds]),
         router=as_t(list(router_flops)),
         router_backward=as_t(list(router_backward)),
         params=as_t([sublayer_params(cfg, k) for k in kinds]),
@@ -303,7 +297,7 @@ def count_flops(
             attention_useful=as_int(t["attention_useful"][i]), router=as_int(t["router"][i]),
             params=as_int(c.params[i]),
         )
-        for i, kind in enumerate(_kinds(cfg))
+        for i, kind in enumerate(cfg.sublayer_kinds)
     )
     return FlopCount(
         tokens=as_int(t["tokens"]), forward=as_int(t["forward"]), layers=as_int(t["layers"].sum()),
@@ -479,6 +473,6 @@ def flop_counter_mode(**kwargs: Any):
 __all__ = [
     "FlopCount", "FlopCounter", "StepFlops", "SublayerFlops", "TRAINING_MULTIPLIER",
     "TransformerFlopCounter", "count_flops", "count_model", "executed_counts", "flop_counter_mode",
-    "full_depth_forward_flops", "head_flops_per_token", "mlp_hidden", "mod_rate", "reference_training_flops",
+    "full_depth_forward_flops", "head_flops_per_token", "mod_rate", "reference_training_flops",
     "router_backward_flops_per_token", "router_flops_per_token", "sublayer_params",
 ]

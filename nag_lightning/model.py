@@ -30,7 +30,7 @@ from nag_lightning.kv_cache import CachedPass, KVCache
 from nag_lightning.residuals import ResidualStrategy, State, build_residual
 from nag_lightning.routers import Route, Router, build_router
 
-SUBLAYER_KINDS = ("attn", "mlp")
+SUBLAYER_KINDS = ("attn", "mlp")  # the sublayers of every block, in order
 
 
 RESUMABLE_CHANGES = ("seq_len", "residual_options", "router_options", "init_std", "embed_std", "rope_base",
@@ -131,6 +131,16 @@ class TransformerConfig:
     def n_sublayers(self) -> int:
         return 2 * self.n_layers
 
+    @property
+    def sublayer_kinds(self) -> list[str]:
+        """The kind of every sublayer in order: block index // 2, attention first."""
+        return list(SUBLAYER_KINDS) * self.n_layers
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The SwiGLU hidden width H."""
+        return int(self.mlp_ratio * self.d_model)
+
     def routed_layers(self) -> set[int]:
         """The block indices whose sublayers of `route_kinds` are routed."""
         if self.route_layers == "all":
@@ -148,7 +158,7 @@ class TransformerConfig:
 
     def is_routed(self, index: int) -> bool:
         """Whether sublayer `index` (block index // 2, attention first) gets the router."""
-        return index // 2 in self.routed_layers() and SUBLAYER_KINDS[index % 2] in self.route_kinds
+        return index // 2 in self.routed_layers() and self.sublayer_kinds[index] in self.route_kinds
 
 
 class Rotary(nn.Module):
@@ -178,6 +188,17 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.rotary = [rotary]  # shared with the other blocks; a list keeps it out of this module
+
+    @staticmethod
+    def weights(cfg: TransformerConfig) -> int:
+        """Weights of one attention sublayer: qkv (C, 3C) and proj (C, C)."""
+        return 4 * cfg.d_model * cfg.d_model
+
+    @staticmethod
+    def pair_flops(cfg: TransformerConfig) -> int:
+        """FLOPs per (query, key) pair: the score q·k and the value p·v, one multiply-add per channel
+        each."""
+        return 4 * cfg.d_model
 
     def _qkv(self, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = self.qkv(h).unflatten(-1, (3, self.n_heads, -1)).unbind(-3)  # (..., H, D) each
@@ -259,13 +280,26 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
-        hidden = int(cfg.mlp_ratio * cfg.d_model)
-        self.gate_up = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
-        self.proj = nn.Linear(hidden, cfg.d_model, bias=False)
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.mlp_hidden, bias=False)
+        self.proj = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+
+    @staticmethod
+    def weights(cfg: TransformerConfig) -> int:
+        """Weights of one MLP sublayer: gate_up (C, 2H) and proj (H, C)."""
+        return 3 * cfg.d_model * cfg.mlp_hidden
+
+    @staticmethod
+    def pair_flops(cfg: TransformerConfig) -> int:
+        """An MLP's tokens do not attend: no work per (query, key) pair."""
+        return 0
 
     def forward(self, h: Tensor) -> Tensor:
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)
+
+
+SUBLAYER_MODULES: dict[str, type[Attention] | type[SwiGLU]] = {"attn": Attention, "mlp": SwiGLU}
+"""The module of each sublayer kind; each says its own weights and attention work (`nag_lightning.flops`)."""
 
 
 class Sublayer(nn.Module):

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget, RunCheckpoint
-from nag_lightning.data import ByteDataModule
+from nag_lightning.data import TextDataModule
 from nag_lightning.model import TransformerConfig
 from nag_lightning.module import NAGLanguageModel
 
@@ -154,7 +154,7 @@ def test_an_exception_mid_step_saves_a_state_that_resumes_exactly(tmp_path):
         module = Interrupt(TransformerConfig(d_model=16, n_layers=1, n_heads=2, seq_len=SEQ),
                            warmup_steps=1, lr=1e-2)
         module.stop_at = stop_at
-        data = ByteDataModule(str(corpus), seq_len=SEQ, batch_size=BATCH, cache_dir=str(tmp_path / "c"))
+        data = TextDataModule(str(corpus), seq_len=SEQ, batch_size=BATCH, cache_dir=str(tmp_path / "c"))
         record = Record()
         run = trainer(root, [record, checkpoint(root)], max_steps=60, val_check_interval=25)
         try:

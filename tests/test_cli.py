@@ -176,6 +176,25 @@ def test_help_lists_the_extra_commands(capsys):
         assert f"\n  {command} " in out, command
 
 
+def echo_command(args: list[str]) -> None:
+    """A command for the table test: prints the arguments it was given."""
+    print(f"echo got {args}")
+
+
+def test_every_command_of_the_table_answers_help_and_a_new_entry_runs(capsys, monkeypatch):
+    from nag_lightning import cli
+
+    for name, command in cli.COMMANDS.items():
+        if command.run != cli.LIGHTNING_CLI:  # LightningCLI's help: the training tests
+            status, out, _ = run_cli([name, "--help"], capsys)
+            assert status == 0 and f"nag-lightning {name}" in out, name
+    echo = cli.Command("tests.test_cli:echo_command", "print its arguments")
+    monkeypatch.setitem(cli.COMMANDS, "echo", echo)
+    status, out, _ = run_cli(["echo", "a", "--b"], capsys)
+    assert status == 0 and "echo got ['a', '--b']" in out
+    assert "\n  echo       print its arguments\n" in run_cli(["--help"], capsys)[1]
+
+
 def test_help_and_the_commands_that_do_not_train_import_no_lightning():
     """Importing Lightning takes seconds; `--help` and `generate`/`compare` do not need it."""
     script = (

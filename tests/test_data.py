@@ -1,4 +1,4 @@
-"""ByteDataModule and prepare_corpus: tokenization, split, cache, errors and mid-epoch resume."""
+"""TextDataModule and prepare_corpus: tokenization, split, cache, errors and mid-epoch resume."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from litdata import StreamingDataset, TokensLoader
 
 from nag_lightning import data
 from nag_lightning.callbacks import RunCheckpoint
-from nag_lightning.data import ByteDataModule, prepare_corpus, token_counts
+from nag_lightning.data import TextDataModule, prepare_corpus, token_counts, tokenizing
 
 SEQ = 16  # seq_len in these tests: samples are 17 bytes
 
@@ -52,7 +52,7 @@ def corpus(tmp_path: Path) -> dict[str, bytes]:
 
 
 def test_batches_have_shape_dtype_and_reproduce_the_corpus(tmp_path, corpus):
-    dm = ByteDataModule(str(tmp_path / "corpus"), seq_len=SEQ, batch_size=4, cache_dir=tmp_path / "c")
+    dm = TextDataModule(str(tmp_path / "corpus"), seq_len=SEQ, batch_size=4, cache_dir=tmp_path / "c")
     dm.prepare_data()
     dm.setup("fit")
     train = list(dm.train_dataloader())
@@ -114,10 +114,10 @@ def test_the_cache_is_reused_and_a_changed_corpus_retokenizes(tmp_path, corpus, 
         raise AssertionError("re-tokenized a corpus that is already cached")
 
     with monkeypatch.context() as patch:
-        patch.setattr(data, "_in_child", must_not_run)
+        patch.setattr(tokenizing, "in_child", must_not_run)
         assert prepare_corpus(source, cache) == first
         # seq_len does not change the tokens, so it shares the cache
-        dm = ByteDataModule(source, seq_len=8, cache_dir=str(cache))
+        dm = TextDataModule(source, seq_len=8, cache_dir=str(cache))
         dm.prepare_data()
         dm.setup("fit")
         with pytest.raises(AssertionError, match="re-tokenized"):
@@ -142,7 +142,7 @@ def test_an_interrupted_prepare_leaves_no_cache_that_looks_complete(tmp_path, co
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(data, "_in_child", crash)
+        patch.setattr(tokenizing, "in_child", crash)
         with pytest.raises(KeyboardInterrupt):
             prepare_corpus(source, cache)
     assert [p.name for p in cache.iterdir()] == ["CACHEDIR.TAG"]
@@ -160,13 +160,13 @@ def test_tokenizing_leaves_the_global_random_state_alone(tmp_path, corpus):
 
 def test_an_already_prepared_folder_is_a_source(tmp_path, corpus):
     root = prepare_corpus(str(tmp_path / "corpus"), tmp_path / "c")
-    dm = ByteDataModule(str(root), seq_len=SEQ, batch_size=2, cache_dir=str(tmp_path / "other"))
+    dm = TextDataModule(str(root), seq_len=SEQ, batch_size=2, cache_dir=str(tmp_path / "other"))
     dm.prepare_data()
     dm.setup("fit")
     assert not (tmp_path / "other").exists()
     assert next(iter(dm.val_dataloader())).shape == (2, SEQ + 1)
     # the sequence check also applies to prepared folders, after the fact
-    too_long = ByteDataModule(str(root), seq_len=1000, cache_dir=str(tmp_path / "other"))
+    too_long = TextDataModule(str(root), seq_len=1000, cache_dir=str(tmp_path / "other"))
     with pytest.raises(ValueError, match=r"The val split of the corpus has 255 bytes, fewer than one"):
         too_long.setup("fit")
 
@@ -188,12 +188,12 @@ def test_object_store_uris_pass_through_unchanged(tmp_path):
 )
 def test_bad_arguments_get_one_sentence(kwargs, error, message):
     with pytest.raises(error, match=message):
-        ByteDataModule(**kwargs)
+        TextDataModule(**kwargs)
 
 
 def test_bad_sources_get_one_sentence(tmp_path):
     def setup(source, **kwargs):
-        dm = ByteDataModule(source, seq_len=SEQ, cache_dir=str(tmp_path / "c"), **kwargs)
+        dm = TextDataModule(source, seq_len=SEQ, cache_dir=str(tmp_path / "c"), **kwargs)
         dm.prepare_data()
         dm.setup("fit")
 
@@ -236,7 +236,7 @@ def test_bad_sources_get_one_sentence(tmp_path):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_resumes_mid_epoch_from_its_state_dict(tmp_path, corpus, num_workers):
     def loader():
-        dm = ByteDataModule(
+        dm = TextDataModule(
             str(tmp_path / "corpus"),
             seq_len=SEQ,
             batch_size=3,
@@ -283,7 +283,7 @@ class _Recorder(L.LightningModule):
 
 def test_lightning_checkpoints_carry_the_loader_state(tmp_path, corpus):
     def fit(max_steps, ckpt_path=None):
-        dm = ByteDataModule(
+        dm = TextDataModule(
             str(tmp_path / "corpus"), seq_len=SEQ, batch_size=3, cache_dir=str(tmp_path / "c")
         )
         model = _Recorder()
@@ -331,7 +331,7 @@ def test_a_resumed_fit_matches_an_uninterrupted_one_across_epoch_boundaries(tmp_
     to leave litdata replaying the resumed state in every later epoch)."""
 
     def fit(max_steps, ckpt_path=None):
-        dm = ByteDataModule(
+        dm = TextDataModule(
             str(tmp_path / "corpus"), seq_len=SEQ, batch_size=16, cache_dir=str(tmp_path / "c")
         )
         model = _Recorder()
@@ -357,3 +357,16 @@ def test_a_resumed_fit_matches_an_uninterrupted_one_across_epoch_boundaries(tmp_
         assert torch.equal(got, want), f"batch of step {step} differs (epoch is {epoch} steps)"
     # and the epochs really were reshuffled
     assert not torch.equal(uninterrupted[0], uninterrupted[epoch])
+
+
+@pytest.mark.parametrize("old", ["nag_lightning.data.ByteDataModule", "nag_lightning.ByteDataModule"])
+def test_configs_naming_the_data_module_by_its_earlier_name_still_load(tmp_path, monkeypatch, old):
+    """Earlier configs and checkpoints name the text data module ByteDataModule."""
+    from nag_lightning.cli import run_lightning_cli
+
+    monkeypatch.chdir(tmp_path)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml"
+    data = json.dumps({"class_path": old, "init_args": {"source": "corpus.txt", "seq_len": 8}})
+    cli = run_lightning_cli(["--config", str(recipe), f"--data={data}",
+                             f"--trainer.default_root_dir={tmp_path}"], run=False)
+    assert type(cli.datamodule) is TextDataModule and cli.datamodule.source == "corpus.txt"

@@ -164,6 +164,17 @@ def test_sublayer_parameters_are_the_modules_weights():
         assert sublayer_params(model.cfg, sublayer.kind) == weights
 
 
+def test_the_count_takes_the_architecture_from_the_model():
+    """Kinds in the model's order and a SwiGLU width that int() rounds down: the count, asked of
+    the config, describes the modules the model builds."""
+    cfg = TransformerConfig(d_model=32, n_layers=3, n_heads=4, mlp_ratio=2.7)
+    model = Transformer(cfg)
+    assert [s.kind for s in model.sublayers] == cfg.sublayer_kinds
+    assert [s.kind for s in count_flops(cfg, [[T]] * cfg.n_sublayers, T).sublayers] == cfg.sublayer_kinds
+    assert model.blocks[0].mlp.compute.proj.in_features == cfg.mlp_hidden == 86
+    assert sublayer_params(cfg, "mlp") == sum(p.numel() for p in model.blocks[0].mlp.compute.parameters())
+
+
 def test_full_depth_and_reference_budget():
     model = tiny("prenorm")
     idx = torch.randint(0, 256, (2, 16))

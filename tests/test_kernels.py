@@ -632,14 +632,15 @@ def test_kernels_compile_for_sm90():
 
 
 def test_wheel_installs_kernels_as_nag_kernels(tmp_path):
-    """pyproject maps the folder kernels/ to the package nag_kernels; no top-level `kernels`."""
+    """pyproject maps the folder kernels/ to the package nag_kernels; no top-level `kernels`. The
+    recipes/ folder installs as nag_lightning/recipes, where the studies find their recipes."""
     src = tmp_path / "src"  # build from a copy so the checkout gets no build/ or egg-info
     src.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         if (REPO / name).exists():
             shutil.copy(REPO / name, src / name)
-    for name in ("kernels", "nag_lightning"):
+    for name in ("kernels", "nag_lightning", "recipes"):
         shutil.copytree(REPO / name, src / name, ignore=ignore)
     cmd = [
         sys.executable,
@@ -661,6 +662,9 @@ def test_wheel_installs_kernels_as_nag_kernels(tmp_path):
     assert "nag_kernels/__init__.py" in names and "nag_kernels/nag_write.py" in names
     assert "nag_kernels/reference.py" in names
     assert not any(n.startswith("kernels/") for n in names)
+    recipes = {str(path.relative_to(REPO)) for path in (REPO / "recipes").rglob("*.yaml")}
+    assert {f"nag_lightning/{name}" for name in recipes} <= set(names) and recipes
+    assert "nag_lightning/data/datamodule.py" in names
 
 
 @pytest.mark.parametrize("f_dtype", [torch.float32, torch.bfloat16])

@@ -23,13 +23,14 @@ SLOW_PREPARE = """
 import os, sys, time
 from pathlib import Path
 from nag_lightning import data
+from nag_lightning.data import tokenizing
 
 def hanging_reader(piece):
     Path(sys.argv[3], str(os.getpid())).touch()
     time.sleep(600)
     yield from ()
 
-data._read_tokens = hanging_reader
+tokenizing._read_tokens = hanging_reader
 data.prepare_corpus(sys.argv[1], sys.argv[2])
 """
 

@@ -143,9 +143,56 @@ def test_a_missing_recipe_is_one_sentence_before_any_run(tmp_path, monkeypatch):
     import pytest
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="No recipe at recipes/study/depth.yaml .* repository root"):
-        depth_study(out=str(tmp_path / "out"), depths=[1], seeds=[1])
+    for recipe in ("elsewhere/depth.yaml", "recipes/study/missing.yaml"):
+        with pytest.raises(FileNotFoundError, match=f"No recipe at {recipe} .* package's own recipes"):
+            depth_study(recipe=recipe, out=str(tmp_path / "out"), depths=[1], seeds=[1])
     assert not (tmp_path / "out").exists()
+
+
+def test_studies_find_their_default_recipes_from_any_folder(tmp_path, monkeypatch):
+    """An installed package run outside a checkout: every study's default recipe is the package's
+    own, and a study trains on it."""
+    import inspect
+
+    from nag_lightning.analysis import isoflop_study, tasks_study, tradeoff_study
+
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    monkeypatch.chdir(tmp_path)
+    defaults = [inspect.signature(f).parameters["recipe"].default
+                for f in (depth_study, tasks_study.tasks_study, tradeoff_study.tradeoff_study)]
+    defaults += inspect.signature(isoflop_study.isoflop_study).parameters["recipes"].default
+    for default in defaults:
+        found = Path(study.find_recipe(default))
+        assert found.is_absolute() and found.read_bytes() == (root.parent / default).read_bytes()
+    trained = []
+    monkeypatch.setattr(study, "fit_run", lambda out, name, args: trained.append(args) or
+                        {"val_bpb": 3.0, "step": 3, "wall_s": 0.0})
+    depth_study(out=str(tmp_path / "out"), depths=[1], seeds=[1], residuals=["nag"])
+    config = trained[0][trained[0].index("--config") + 1]
+    assert Path(config).read_bytes() == (root / "study" / "depth.yaml").read_bytes()
+
+
+def test_every_recipe_ships_with_the_package():
+    """The wheel maps recipes/ into the package by the globs of pyproject.toml: a recipe they miss
+    would be missing from an installed package."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"]["nag_lightning.recipes"] == "recipes"
+    assert "nag_lightning.recipes" in setuptools["packages"]
+    shipped = {path for glob in setuptools["package-data"]["nag_lightning.recipes"]
+               for path in (root / "recipes").glob(glob)}
+    assert shipped == set((root / "recipes").rglob("*.yaml")) and shipped
+
+
+def test_the_gain_is_reported_for_the_focus_strategy(tmp_path):
+    results = [{"residual": r, "depth": 4, "seed": 1, "val_bpb": v, "angle_q10_q90": None}
+               for r, v in (("prenorm", 3.0), ("nag", 2.9), ("lns", 2.8))]
+    row = depth.summarise(results, tmp_path, focus="lns")[0]
+    assert row["best_other"] == "nag" and abs(row["lns_gain"] - 0.1) < 1e-9
+    assert abs(row["lns_gain_prenorm"] - 0.2) < 1e-9 and "nag_gain" not in row
+    assert "lns gain over it (bpb)" in (tmp_path / "depth.md").read_text()
 
 
 def test_a_sweep_picks_on_one_half_of_validation_and_reports_the_other(tmp_path):

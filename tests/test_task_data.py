@@ -146,7 +146,7 @@ def test_text_data_stays_the_default_and_task_options_are_checked(tmp_path, caps
     status, printed, err = run_command(["fit", "--config", str(ROOT / "recipes" / "debug.yaml"),
                                         "--data.source=corpus.txt", "--print_config"], capsys)
     assert status == 0, err
-    assert "class_path: nag_lightning.ByteDataModule" in printed and "source: corpus.txt" in printed
+    assert "class_path: nag_lightning.TextDataModule" in printed and "source: corpus.txt" in printed
     status, _, err = run_command(["fit", "--config", DEBUG, "--data.task_options={n_nodes: 40}"], capsys)
     assert status == 1 and "Traceback" not in err
     assert re.search(r"error: hops: n_nodes must be between 2 and 26", err), err[-2000:]

@@ -15,10 +15,16 @@ import pytest
 import torch
 from litdata import StreamingDataset, TokensLoader
 
-from nag_lightning import data
 from nag_lightning import tokenizer as tokenizers
 from nag_lightning.cli import main
-from nag_lightning.data import ByteDataModule, load_tokenizer, prepare_corpus, token_counts
+from nag_lightning.data import (
+    TextDataModule,
+    load_tokenizer,
+    prepare_corpus,
+    resolve_files,
+    token_counts,
+    tokenizing,
+)
 from nag_lightning.model import TransformerConfig
 from nag_lightning.module import NAGLanguageModel
 from nag_lightning.tokenizer import HFTokenizer, StreamDecoder, Tokenizer
@@ -86,7 +92,7 @@ def test_bpe_chunks_are_the_tokens_of_each_file_and_decode_to_the_text(corpus, c
     assert meta["coverage"]["token_bytes"] == meta["coverage"]["bytes"]
     # the folder carries its tokenizer: it is a data.source by itself
     assert HFTokenizer((root / "tokenizer.json").read_text(), "x").key == tok.key
-    assert ByteDataModule(str(root), seq_len=SEQ).tokenizer == tok
+    assert TextDataModule(str(root), seq_len=SEQ).tokenizer == tok
 
 
 def test_a_piece_cut_for_encoding_gives_the_ids_of_the_whole():
@@ -102,7 +108,7 @@ def test_a_piece_cut_for_encoding_gives_the_ids_of_the_whole():
 def test_caches_are_keyed_by_tokenizer_and_bytes_keep_their_key(corpus, cache, monkeypatch):
     source = str(corpus)
     as_bytes = prepare_corpus(source, cache)
-    files = data.resolve_files(source)
+    files = resolve_files(source)
     stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     old_key = hashlib.sha256(json.dumps([1, stats, 0.05, None]).encode()).hexdigest()[:16]
     assert as_bytes.name == old_key  # caches written before tokenizers existed stay valid
@@ -116,7 +122,7 @@ def test_caches_are_keyed_by_tokenizer_and_bytes_keep_their_key(corpus, cache, m
         raise AssertionError("trained or tokenized again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(data, "_in_child", must_not_run)
+        patch.setattr(tokenizing, "in_child", must_not_run)
         assert prepare_corpus(source, cache, tokenizer="bpe:300") == bpe300
         # the same tokenizer given as a tokenizer.json file shares the chunks
         as_file = cache.parent / "tokenizer.json"
@@ -202,7 +208,7 @@ class Uniform(NAGLanguageModel):
 
 @pytest.mark.parametrize("spec", ["bytes", "bpe:300"])
 def test_bits_per_byte_is_the_summed_loss_over_the_bytes_the_tokens_stand_for(spec, corpus, cache):
-    dm = ByteDataModule(str(corpus), seq_len=SEQ, batch_size=3, cache_dir=str(cache), tokenizer=spec)
+    dm = TextDataModule(str(corpus), seq_len=SEQ, batch_size=3, cache_dir=str(cache), tokenizer=spec)
     model = Uniform(vocab_size=dm.vocab_size)
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False)
@@ -220,7 +226,7 @@ def test_bits_per_byte_is_the_summed_loss_over_the_bytes_the_tokens_stand_for(sp
 
 
 def test_predict_gives_per_sequence_bits_per_byte(corpus, cache):
-    dm = ByteDataModule(str(corpus), seq_len=SEQ, batch_size=3, cache_dir=str(cache), tokenizer="bpe:300")
+    dm = TextDataModule(str(corpus), seq_len=SEQ, batch_size=3, cache_dir=str(cache), tokenizer="bpe:300")
     model = Uniform(vocab_size=dm.vocab_size)
     model.set_tokenizer(dm.tokenizer)
     dm.setup("fit")
@@ -271,7 +277,7 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
     paths = sweep(str(ckpt), out_dir=str(tmp_path / "sweep"), taus=[0.0], val_batches=2,
                   fit_batches=2, source=str(corpus), cache_dir=str(cache))
     [row] = [r for r in csv.DictReader(open(paths["csv"])) if r["method"] == "threshold"]
-    dm = ByteDataModule(str(corpus), seq_len=32, batch_size=4, cache_dir=str(cache),
+    dm = TextDataModule(str(corpus), seq_len=32, batch_size=4, cache_dir=str(cache),
                         tokenizer="bpe:300")
     dm.setup("validate")
     targets = torch.cat([batch[:, 1:] for batch, _ in zip(dm.val_dataloader(), range(2))])

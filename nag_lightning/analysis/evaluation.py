@@ -46,13 +46,13 @@ def saved_module(saved: SavedCheckpoint, device: str, trust_checkpoint: bool = F
 
 
 def checkpoint_data(module, saved: SavedCheckpoint, use_saved_files: bool = False, **overrides):
-    """A `ByteDataModule` with the data settings the checkpoint's run saved, `overrides` (not None)
+    """A `TextDataModule` with the data settings the checkpoint's run saved, `overrides` (not None)
     on top, prepared; one sentence if its tokenizer differs from the checkpoint's.
 
     Saved settings that name files (`saved_file_settings`) are untrusted: they are used only with
     `use_saved_files` (the user's --trust_checkpoint, or a study evaluating runs it trained), else
     refused in one sentence that shows them."""
-    from nag_lightning.data import ByteDataModule
+    from nag_lightning.data import TextDataModule
 
     options = {k: v for k, v in saved.data.items() if k in DATA_OPTIONS}
     options.update({k: v for k, v in overrides.items() if v is not None})
@@ -66,7 +66,7 @@ def checkpoint_data(module, saved: SavedCheckpoint, use_saved_files: bool = Fals
             + (f"give {flags} yourself (e.g. the values above, if they are yours), or " if flags else "")
             + "pass --trust_checkpoint to use the saved ones."
         )
-    data = ByteDataModule(seq_len=module.config.seq_len, **options)
+    data = TextDataModule(seq_len=module.config.seq_len, **options)
     if data.tokenizer != module.tokenizer:
         raise ValueError(
             f"The checkpoint {saved.source} was trained on tokens of {module.tokenizer.describe()}, "
@@ -80,10 +80,10 @@ def checkpoint_data(module, saved: SavedCheckpoint, use_saved_files: bool = Fals
 def saved_file_settings(saved: dict, overrides: dict) -> dict:
     """The saved data settings that name files other than the defaults' and that `overrides` do
     not replace: the corpus (`source`), the folder written (`cache_dir`), a tokenizer.json path."""
-    from nag_lightning.data import ByteDataModule
+    from nag_lightning.data import TextDataModule
     from nag_lightning.tokenizer import parse_spec
 
-    defaults = {k: p.default for k, p in inspect.signature(ByteDataModule.__init__).parameters.items()}
+    defaults = {k: p.default for k, p in inspect.signature(TextDataModule.__init__).parameters.items()}
     named = {}
     for key in ("source", "cache_dir", "tokenizer"):
         value = saved.get(key, defaults[key])

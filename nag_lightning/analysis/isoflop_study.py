@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from nag_lightning.analysis.compare import COLUMNS, summarize
-from nag_lightning.analysis.study import check_recipe, check_study_options, fit_run
+from nag_lightning.analysis.study import check_study_options, find_recipe, fit_run
 from nag_lightning.plotting import pyplot, save
 
 DEFAULT_RECIPES = [
@@ -112,15 +112,14 @@ def isoflop_study(
 
     Args:
         recipes: fit recipes that share a training-FLOP budget (each needs FlopAccounting and
-            FlopBudget among its callbacks).
+            FlopBudget among its callbacks); a path under recipes/ that is not a file here names
+            the package's own recipe.
         out: folder for the runs, tables and figures.
         seeds: seeds per recipe; at least 2 before drawing a conclusion.
         extra: further `fit` arguments passed to every run, e.g. ["--trainer.max_steps=100"].
     """
     check_study_options(seeds=seeds, recipes=recipes)
-    for recipe in recipes:
-        check_recipe(recipe)
-    paths = [Path(r) for r in recipes]
+    paths = [Path(find_recipe(r)) for r in recipes]
     out_dir = Path(out)
     results = []
     for seed in seeds:  # seed-major: a partial study already has one seed of every recipe

@@ -7,6 +7,9 @@ one whose `result.json` exists, is not run again, so an interrupted study resume
 stopped; the cache is keyed by the run's name alone, so a study with other options belongs in
 another `--out`. `run_one` is the point the depth and trade-off studies share: a recipe with one
 residual strategy at one depth and seed (and, in a learning-rate sweep, learning rate).
+
+A study's default recipe is one the package ships (`recipes/...`, found by `find_recipe`), so a
+study runs from any working directory; any other recipe is given by its path.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import statistics
 import subprocess
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
-RESIDUALS = ("prenorm", "nag")  # the default pair; any registered strategy can join
+DEFAULT_RESIDUALS = ("prenorm", "nag")  # the pair a study compares unless told; any registered one can join
 
 
 def run_name(residual: str, depth: int, seed: int, lr: float | None = None) -> str:
@@ -87,23 +91,39 @@ def check_study_options(depths: list[int] | None = None, seeds: list[int] | None
     a depth below one block, a seed the runs cannot take, a residual strategy that is neither
     registered nor a class path (its name also names the run's folder)."""
     from nag_lightning.analysis.checks import check_not_empty
-    from nag_lightning.residuals import RESIDUALS as REGISTRY
+    from nag_lightning.residuals import RESIDUALS
 
     check_not_empty(depths=depths, seeds=seeds, residuals=residuals, **lists)
     for residual in residuals or []:
-        REGISTRY.get(residual)  # an unknown name fails with the registered ones listed
+        RESIDUALS.get(residual)  # an unknown name fails with the registered ones listed
     if depths is not None and any(depth < 1 for depth in depths):
         raise ValueError(f"Every depth in --depths is a number of blocks, at least 1; got {depths}.")
     if seeds is not None and any(not 0 <= seed < 2**32 for seed in seeds):
         raise ValueError(f"Every seed in --seeds must be from 0 to {2**32 - 1} (numpy's); got {seeds}.")
 
 
-def check_recipe(recipe: str) -> None:
-    if not Path(recipe).is_file():
-        raise FileNotFoundError(
-            f"No recipe at {recipe} (relative paths start at {Path.cwd()}); run from the repository "
-            "root or give the path of a fit YAML file."
-        )
+def shipped_recipes() -> Path:
+    """The folder of the recipes the package ships: `nag_lightning/recipes` once installed (the
+    wheel maps the checkout's `recipes/` there, see pyproject.toml), else the source checkout's
+    `recipes/` beside the package (an editable install)."""
+    installed = resources.files("nag_lightning") / "recipes"
+    if installed.is_dir():
+        return Path(str(installed))
+    return Path(str(resources.files("nag_lightning"))).resolve().parent / "recipes"
+
+
+def find_recipe(recipe: str) -> str:
+    """The path of `recipe`: the file itself where it exists, else, for a path that starts with
+    `recipes/` (every study's default), the package's own recipe of that name."""
+    if Path(recipe).is_file():
+        return recipe
+    parts = Path(recipe).parts
+    if parts[:1] == ("recipes",) and shipped_recipes().joinpath(*parts[1:]).is_file():
+        return str(shipped_recipes().joinpath(*parts[1:]))
+    raise FileNotFoundError(
+        f"No recipe at {recipe} (relative paths start at {Path.cwd()}), nor among the package's own "
+        "recipes; give the path of a fit YAML file."
+    )
 
 
 def angle_spread(diagnostics: Path) -> float | None:
@@ -152,7 +172,7 @@ def run_one(recipe: str, out: Path, residual: str, depth: int, seed: int, extra:
     name = run_name(residual, depth, seed, lr)
     result_path = out / name / "result.json"
     if not result_path.is_file():
-        check_recipe(recipe)  # a cached run needs no recipe
+        recipe = find_recipe(recipe)  # a cached run needs no recipe
     args = ["--config", recipe, f"--model.arch.n_layers={depth}", f"--model.arch.residual={residual}",
             f"--seed_everything={seed}", *extra, *([f"--model.lr={lr}"] if lr is not None else [])]
     result = fit_run(out, name, args)

@@ -30,7 +30,14 @@ from pathlib import Path
 import yaml
 
 from nag_lightning.analysis.depth_study import check_options
-from nag_lightning.analysis.study import RESIDUALS, check_recipe, fit_run, markdown_table, run_name, write_csv
+from nag_lightning.analysis.study import (
+    DEFAULT_RESIDUALS,
+    find_recipe,
+    fit_run,
+    markdown_table,
+    run_name,
+    write_csv,
+)
 from nag_lightning.plotting import pyplot, save
 
 COMPUTE = ("angle", "planned", "executed")
@@ -173,7 +180,7 @@ def tasks_study(
     out: str = "runs/study/tasks",
     depths: list[int] = [2, 4, 8],  # noqa: B006 - jsonargparse reads the default as data
     seeds: list[int] = [1],  # noqa: B006
-    residuals: list[str] = list(RESIDUALS),  # noqa: B006
+    residuals: list[str] = list(DEFAULT_RESIDUALS),  # noqa: B006
     lrs: dict[str, float] = {},  # noqa: B006
     routers: dict[str, list[str]] = {},  # noqa: B006
     extra: list[str] = [],  # noqa: B006
@@ -201,7 +208,7 @@ def tasks_study(
         trust_checkpoint: let a run's checkpoint name a residual or router by a class path outside
             the registered plugins; only for run folders whose origin you trust.
     """
-    check_recipe(recipe)
+    recipe = find_recipe(recipe)
     check_options(residuals, {}, {})
     unknown = sorted(set(lrs) - set(residuals))
     if unknown:

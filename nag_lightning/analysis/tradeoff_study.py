@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from nag_lightning.analysis.checks import check_at_least_one
-from nag_lightning.analysis.study import RESIDUALS, check_study_options, run_name, run_one
+from nag_lightning.analysis.study import DEFAULT_RESIDUALS, check_study_options, run_name, run_one
 from nag_lightning.analysis.sweep_report import ORACLE
 from nag_lightning.plotting import pyplot, save
 
@@ -122,7 +122,7 @@ def plot(curves: dict[tuple[str, int], list[dict]], path: Path, depth: int) -> P
 def tradeoff_study(
     depth: int = 16,
     seeds: list[int] = [1, 2],  # noqa: B006 - jsonargparse reads the default as data
-    residuals: list[str] = list(RESIDUALS),  # noqa: B006
+    residuals: list[str] = list(DEFAULT_RESIDUALS),  # noqa: B006
     depth_out: str = "runs/study/depth",
     recipe: str = "recipes/study/depth.yaml",
     out: str = "runs/study/tradeoff",
