@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget
 from nag_lightning.model import TransformerConfig
-from nag_lightning.module import NAGLanguageModel
+from nag_lightning.training.module import LanguageModel
 
 # The model and batch of recipes/isoflop/: d 64, 4 layers, 128 bytes, batch 8.
 MODEL = dict(d_model=64, n_layers=4, n_heads=4, seq_len=128)
@@ -77,7 +77,7 @@ def measure(router: str, steps: int, warmup: int, control: bool = False) -> dict
     on = set(random.Random(0).sample(range(steps + 1), (steps + 1) // 2))
     torch.manual_seed(0)
     arch = TransformerConfig(**MODEL, router=router, router_options=ROUTERS[router])
-    module = NAGLanguageModel(arch, warmup_steps=5)
+    module = LanguageModel(arch, warmup_steps=5)
     data = torch.randint(0, 256, (BATCH * (steps + 1), MODEL["seq_len"] + 1))
     timer, spent = StepTimer(), {}
     accounting = SwitchedAccounting(on, spent, control)

@@ -32,8 +32,8 @@ import torch
 
 from nag_lightning.analysis.evaluation import load_checkpoint
 from nag_lightning.analysis.generate import generate_tokens
-from nag_lightning.inference import CachedDecoder, generate_cached
 from nag_lightning.model import Transformer, TransformerConfig
+from nag_lightning.model.inference import CachedDecoder, generate_cached
 from nag_lightning.routers.threshold import ThresholdRouter
 
 PROMPT = list(b"def main(argv=None):\n    ")

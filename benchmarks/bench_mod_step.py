@@ -3,7 +3,7 @@
 One training step = forward + backward + AdamW step, on random bytes. The configurations run
 interleaved (dense, topk, threshold, dense, ...) so drifts of the machine's speed hit all alike;
 each one's median is reported. The FLOP share saved comes from the analytic count of the executed
-tokens (`nag_lightning.flops`, training = 3 x forward); the last column is how much of it shows up
+tokens (`nag_lightning.model.flops`, training = 3 x forward); the last column is how much of it shows up
 as time saved.
 
     python3 benchmarks/bench_mod_step.py                 # d=256, 8 layers, seq 256, batch 8
@@ -19,8 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nag_lightning.flops import count_model
 from nag_lightning.model import Transformer, TransformerConfig
+from nag_lightning.model.flops import count_model
 
 
 def build(args: argparse.Namespace, router: str, options: dict) -> tuple[Transformer, torch.optim.Optimizer]:

@@ -15,7 +15,7 @@ the others still run), each with a time budget that its loops and child processe
     residual_step             NAG / prenorm training-step time and peak memory, d_model 1024,
                               12 blocks, bf16-mixed (goal: time ratio <= 1.02)
     mod_step                  top-k and threshold MoD at 25% against the unrouted model: time saved
-                              over the FLOPs saved (`nag_lightning.flops`) (goal >= 0.8)
+                              over the FLOPs saved (`nag_lightning.model.flops`) (goal >= 0.8)
     activation_checkpointing  NAG step time and peak memory with `activation_checkpointing`
     recipes                   two bf16-mixed steps of every recipes/scale recipe through the
                               command line, on this one device
@@ -271,7 +271,7 @@ def mod_step(check: Check) -> dict:
     """Routed at 25% against unrouted: how much of the FLOPs saved shows up as time saved."""
     import bench_residual_step as brs
 
-    from nag_lightning.flops import count_model
+    from nag_lightning.model.flops import count_model
 
     configs = {"unrouted": ("none", {}), "topk 25%": ("topk", {"capacity": 0.75}),
                "threshold 25%": ("threshold", {"target_rate": 0.25, "warmup_steps": 0})}
@@ -316,9 +316,9 @@ def activation_checkpointing(check: Check) -> dict:
 
 def compile_model(model):
     """The compiled model the compile section times: the `model.compile` option's
-    `nag_lightning.compile.compile_model` (inductor; in the dry run dynamo with the eager backend,
+    `nag_lightning.model.compile.compile_model` (inductor; in the dry run dynamo with the eager backend,
     so it takes seconds on CPU)."""
-    from nag_lightning.compile import compile_model as compile_in_place
+    from nag_lightning.model.compile import compile_model as compile_in_place
 
     return compile_in_place(model, backend="eager" if compile_model.dry_run else "inductor")
 

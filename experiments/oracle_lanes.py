@@ -21,7 +21,7 @@ import torch
 
 from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, saved_module
 from nag_lightning.analysis.oracle import OracleSublayer, oracle
-from nag_lightning.checkpoint import read_saved
+from nag_lightning.checkpoints.reader import read_saved
 
 
 class DirectionOnlyOracle(OracleSublayer):

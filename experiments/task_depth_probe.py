@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nag_lightning.flops import TransformerFlopCounter, reference_training_flops
 from nag_lightning.model import Transformer, TransformerConfig
+from nag_lightning.model.flops import TransformerFlopCounter, reference_training_flops
 from nag_lightning.tasks import build_task
 from nag_lightning.tasks.evaluation import evaluate_by_difficulty, spearman, task_sequences
 

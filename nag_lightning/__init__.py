@@ -4,9 +4,19 @@ Every public name loads on first use, so `import nag_lightning` (and with it the
 command's help) costs no torch or Lightning import; the plain-PyTorch model imports without
 Lightning. Using `RESIDUALS` or `ROUTERS` (or the model) registers the built-in residual strategies
 and routers.
+
+The package, by job: `model/` (the network and what runs it), `residuals/` and `routers/` (its
+plugins, found through `registry`), `data/` (text to token batches, tokenizers), `tasks/`
+(synthetic labelled data), `training/` (the LightningModule and run folders), `callbacks/`,
+`checkpoints/` (the one reader, trust and earlier formats), `analysis/` (studies, sweeps,
+generation) and `cli` (the command table). Module paths of earlier releases still import
+(`checkpoints.compat.MOVED_MODULES`), so the class paths saved in their checkpoints resolve.
 """
 
+from nag_lightning.checkpoints.compat import install_moved_modules
+
 __version__ = "0.1.0"
+install_moved_modules()
 
 _LAZY = {
     "Transformer": "nag_lightning.model",
@@ -16,7 +26,8 @@ _LAZY = {
     "ROUTERS": "nag_lightning.routers",
     "Route": "nag_lightning.routers",
     "Router": "nag_lightning.routers",
-    "NAGLanguageModel": "nag_lightning.module",
+    "LanguageModel": "nag_lightning.training.module",
+    "NAGLanguageModel": "nag_lightning.training.module",  # the name of earlier releases
     "TextDataModule": "nag_lightning.data",
     "ByteDataModule": "nag_lightning.data",  # the name of earlier releases, kept for their configs
 }
@@ -35,6 +46,6 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "RESIDUALS", "ROUTERS", "NAGLanguageModel", "ResidualStrategy", "Route", "Router",
+    "RESIDUALS", "ROUTERS", "LanguageModel", "ResidualStrategy", "Route", "Router",
     "TextDataModule", "Transformer", "TransformerConfig",
 ]

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lightning.pytorch.cli import LightningArgumentParser
 
-    from nag_lightning.checkpoint import SavedCheckpoint
-    from nag_lightning.runs import RunFolder
+    from nag_lightning.checkpoints.reader import SavedCheckpoint
+    from nag_lightning.training.runs import RunFolder
 
 CHECKPOINT_ALIASES = ("last", "best", "hpc", "registry")
 VOCAB_OPTION = "--model.arch.vocab_size"
@@ -60,8 +60,8 @@ class NagCLI:
         from jsonargparse import lazy_instance
 
         from nag_lightning.callbacks import DepthDiagnostics, RunCheckpoint
+        from nag_lightning.checkpoints.trust import TRUST_HELP
         from nag_lightning.data import TextDataModule
-        from nag_lightning.trust import TRUST_HELP
 
         # Any data module by class_path (task data: nag_lightning.tasks.datamodule.TaskDataModule), the text
         # one by default, so `data: {source: ...}` and `--data.source` need no class_path.
@@ -79,10 +79,10 @@ class NagCLI:
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         """Parse, then settle the run's folder: resolve `--ckpt_path last` and claim one version
-        for all loggers (see `nag_lightning.runs`)."""
-        from nag_lightning.checkpoint import damaged_last
-        from nag_lightning.runs import prepare_run_folder
-        from nag_lightning.trust import UnreadableCheckpoint
+        for all loggers (see `nag_lightning.training.runs`)."""
+        from nag_lightning.checkpoints.reader import damaged_last
+        from nag_lightning.checkpoints.trust import UnreadableCheckpoint
+        from nag_lightning.training.runs import prepare_run_folder
 
         self._parse_setting_vocab_aside(parser, args)
         subcommand = self.config.get("subcommand")
@@ -107,9 +107,9 @@ class NagCLI:
             raise
 
     def read_ckpt_path(self, path: str) -> SavedCheckpoint:
-        """The checkpoint `path` names, read once for the whole command (`nag_lightning.checkpoint`):
+        """The checkpoint `path` names, read once for the whole command (`nag_lightning.checkpoints.reader`):
         the run folder takes its step, the parser its settings, the Trainer its state."""
-        from nag_lightning.checkpoint import read_saved
+        from nag_lightning.checkpoints.reader import read_saved
 
         if self.saved_checkpoint is None or self.saved_checkpoint.source != str(path):
             self.saved_checkpoint = read_saved(path)
@@ -124,7 +124,7 @@ class NagCLI:
         self._typed_vocab_size = None
         if isinstance(args, (dict, Namespace)):
             return super().parse_arguments(parser, args)
-        from nag_lightning.compat import refuse_older_layout
+        from nag_lightning.checkpoints.compat import refuse_older_layout
 
         refuse_older_layout(list(sys.argv[1:] if args is None else args))
         argv, typed = _without_option(list(sys.argv[1:] if args is None else args), VOCAB_OPTION)
@@ -203,11 +203,11 @@ class NagCLI:
                 )
 
     def _parse_ckpt_path(self) -> None:
-        """Read the checkpoint as untrusted input (`nag_lightning.trust`) and refuse it in one
+        """Read the checkpoint as untrusted input (`nag_lightning.checkpoints.trust`) and refuse it in one
         sentence if it is missing or unreadable, names code outside the registries, or, for `fit`,
         has another architecture; then take its model settings, as LightningCLI does, saying
         which of this run's settings they replace."""
-        from nag_lightning.saved_settings import check_architecture
+        from nag_lightning.checkpoints.settings import check_architecture
 
         subcommand = self.config.get("subcommand")
         if not subcommand:
@@ -230,7 +230,7 @@ class NagCLI:
         if subcommand == "fit":
             check_architecture(saved, model_config.get("arch") or {}, ckpt_path)
         saved.pop("_instantiator", None)
-        saved.pop("_class_path", None)  # the model class is fixed: NAGLanguageModel
+        saved.pop("_class_path", None)  # the model class is fixed: LanguageModel
         # set by the link from data.tokenizer; the model checks the checkpoint's tokenizer on load
         saved.get("arch", {}).pop("vocab_size", None)
         replaced = replaced_settings(saved, model_config)
@@ -290,12 +290,12 @@ def check_seed_everything(seed: object) -> None:
 def preloaded_checkpoint_io(inner, saved: SavedCheckpoint | None):
     """`inner`, a strategy's CheckpointIO, except that loading `saved` (the checkpoint the command
     already read and checked) returns that dict instead of reading the file again, and loading any
-    other checkpoint goes through the one reader (`nag_lightning.checkpoint.read_saved`). Lightning
+    other checkpoint goes through the one reader (`nag_lightning.checkpoints.reader.read_saved`). Lightning
     2.x resumes and evaluates `ckpt_path` through `strategy.load_checkpoint`, which asks the
     CheckpointIO; a strategy that reads sharded checkpoints by itself does not ask it."""
     from lightning.pytorch.plugins.io import CheckpointIO
 
-    from nag_lightning.checkpoint import read_saved
+    from nag_lightning.checkpoints.reader import read_saved
 
     class PreloadedCheckpointIO(CheckpointIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
@@ -377,12 +377,12 @@ def run_lightning_cli(args: list[str] | None = None, run: bool = True) -> NagCLI
     """The LightningCLI part of the command, also used by tests to parse recipes."""
     import lightning as L
 
-    from nag_lightning.module import NAGLanguageModel
-    from nag_lightning.quiet import silence_irrelevant_messages
+    from nag_lightning.training.module import LanguageModel
+    from nag_lightning.training.quiet import silence_irrelevant_messages
 
     silence_irrelevant_messages()
     return lightning_cli_class()(
-        NAGLanguageModel,
+        LanguageModel,
         L.LightningDataModule,  # text (TextDataModule) by default, see add_arguments_to_parser
         subclass_mode_data=True,
         args=args,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from nag_lightning import RESIDUALS, ROUTERS, Transformer, TransformerConfig
-from nag_lightning.module import NAGLanguageModel
+from nag_lightning.training.module import LanguageModel
 
 T = 24
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,7 +117,7 @@ def test_lightning_applies_the_updates_after_each_backward(tmp_path):
         torch.manual_seed(0)
         arch = TransformerConfig(d_model=32, n_layers=2, n_heads=2, seq_len=T, router="threshold",
                                  router_options=OPTIONS["threshold"], activation_checkpointing=checkpointing)
-        module = NAGLanguageModel(arch, warmup_steps=1)
+        module = LanguageModel(arch, warmup_steps=1)
         record = RouterState()
         L.Trainer(accelerator="cpu", max_steps=4, callbacks=[record], logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

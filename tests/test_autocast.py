@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from nag_lightning import RESIDUALS, ROUTERS, Transformer, TransformerConfig
-from nag_lightning.routing_stats import routing_stats
+from nag_lightning.model.routing_stats import routing_stats
 
 T = 16
 ROOT = Path(__file__).resolve().parents[1]

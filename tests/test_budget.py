@@ -16,20 +16,20 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget
-from nag_lightning.flops import StepFlops, count_flops, reference_training_flops
 from nag_lightning.model import TransformerConfig
-from nag_lightning.module import NAGLanguageModel
+from nag_lightning.model.flops import StepFlops, count_flops, reference_training_flops
+from nag_lightning.training.module import LanguageModel
 
 SEQ, BATCH, BATCHES = 16, 4, 3  # an epoch is 3 steps
 SIGN = "tests.test_flops.SignRouter"  # data-dependent executed counts
 
 
-def model(router: str = "none") -> NAGLanguageModel:
+def model(router: str = "none") -> LanguageModel:
     torch.manual_seed(0)
     # A constant learning rate after warmup: the cosine schedule would depend on max_steps, so runs
     # with different step limits would train (and route, so spend) differently.
     arch = TransformerConfig(d_model=16, n_layers=2, n_heads=2, seq_len=SEQ, router=router)
-    return NAGLanguageModel(arch, warmup_steps=1, lr=1e-2, min_lr_ratio=1.0)
+    return LanguageModel(arch, warmup_steps=1, lr=1e-2, min_lr_ratio=1.0)
 
 
 def loader() -> DataLoader:
@@ -50,7 +50,7 @@ def trainer(tmp_path: Path, callbacks: list, max_steps: int = 1000, **overrides)
     return L.Trainer(**{**settings, **overrides})
 
 
-def dense_step_flops(module: NAGLanguageModel) -> int:
+def dense_step_flops(module: LanguageModel) -> int:
     cfg = module.config
     return 3 * count_flops(cfg, [[SEQ] * BATCH] * cfg.n_sublayers, SEQ, [0] * cfg.n_sublayers).forward
 

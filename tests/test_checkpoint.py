@@ -16,17 +16,17 @@ from torch.utils.data import DataLoader
 from nag_lightning.callbacks import FlopAccounting, FlopBudget, RunCheckpoint
 from nag_lightning.data import TextDataModule
 from nag_lightning.model import TransformerConfig
-from nag_lightning.module import NAGLanguageModel
+from nag_lightning.training.module import LanguageModel
 
 SEQ, BATCH = 16, 4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def model() -> NAGLanguageModel:
+def model() -> LanguageModel:
     torch.manual_seed(0)
     arch = TransformerConfig(d_model=16, n_layers=1, n_heads=2, seq_len=SEQ)
-    return NAGLanguageModel(arch, warmup_steps=1, lr=1e-2)
+    return LanguageModel(arch, warmup_steps=1, lr=1e-2)
 
 
 def loader(batches: int = 20) -> DataLoader:
@@ -134,7 +134,7 @@ class Record(L.Callback):
         self.losses[trainer.global_step] = outputs["loss"].item()
 
 
-class Interrupt(NAGLanguageModel):
+class Interrupt(LanguageModel):
     """Raises inside the forward pass of step `stop_at`, as Ctrl-C mostly does."""
 
     stop_at = -1

@@ -147,7 +147,7 @@ def test_crafted_callback_paths_delete_and_write_nothing_outside_the_run(
 
 
 def test_trusted_state_keeps_paths_inside_the_folder_only(tmp_path):
-    from nag_lightning.callbacks.checkpoint import trusted_state
+    from nag_lightning.callbacks.run_checkpoint import trusted_state
 
     folder = tmp_path / "run" / "checkpoints"
     inside, escaping = str(folder / "a.ckpt"), str(folder / ".." / ".." / "a.ckpt")

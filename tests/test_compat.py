@@ -1,15 +1,18 @@
-"""Checkpoints of earlier releases go through `nag_lightning.compat` and work in every command; the
-class paths earlier runs saved in their configs and checkpoints still resolve."""
+"""Checkpoints of earlier releases go through `nag_lightning.checkpoints.compat` and work in every
+command; the class paths earlier runs saved in their configs and checkpoints still resolve."""
 
 from __future__ import annotations
 
 import importlib
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from nag_lightning.compat import upgrade_checkpoint
+from nag_lightning.checkpoints.compat import MOVED_MODULES, upgrade_checkpoint
 from tests.helpers import run_command
 from tests.test_saved_settings import data_args, debug_checkpoint, flat_layout, sweeps_and_generates
 
@@ -17,6 +20,7 @@ DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
 
 SAVED_CLASS_PATHS = (
     "nag_lightning.module.NAGLanguageModel",  # hyper_parameters["_class_path"], config.yaml's model
+    "nag_lightning.NAGLanguageModel",
     "nag_lightning.data.ByteDataModule",
     "nag_lightning.ByteDataModule",
     "nag_lightning.tasks.datamodule.TaskDataModule",
@@ -29,6 +33,11 @@ SAVED_CLASS_PATHS = (
     "nag_lightning.residuals.nag.NAGResidual",
     "nag_lightning.routers.threshold.ThresholdRouter",
     "nag_lightning.routers.topk.TopKRouter",
+    "nag_lightning.callbacks.checkpoint.RunCheckpoint",
+    "nag_lightning.model.Transformer",
+    "nag_lightning.model.TransformerConfig",
+    "nag_lightning.tokenizer.Tokenizer",
+    "nag_lightning.tokenizer.HFTokenizer",
 )
 """Class paths the configs, recipes and checkpoints of earlier runs name."""
 
@@ -37,6 +46,40 @@ SAVED_CLASS_PATHS = (
 def test_class_paths_saved_by_earlier_runs_resolve(path):
     module, _, name = path.rpartition(".")
     assert isinstance(getattr(importlib.import_module(module), name), type)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
+def test_a_moved_module_imports_as_the_module_that_replaced_it(old):
+    """The same module object, so a class named by its old path is the class the package uses."""
+    module = importlib.import_module(old)
+    assert module is importlib.import_module(MOVED_MODULES[old])
+    assert module.__name__ == module.__spec__.name == MOVED_MODULES[old]
+
+
+def test_an_old_module_path_imports_in_a_fresh_interpreter():
+    script = ("import nag_lightning.module, nag_lightning.tokenizer\n"
+              "from nag_lightning.checkpoint import read_saved\n"
+              "print(nag_lightning.module.NAGLanguageModel.__module__, read_saved.__module__)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["nag_lightning.training.module", "nag_lightning.checkpoints.reader"]
+
+
+def test_a_config_naming_classes_by_their_old_module_paths_still_loads(tmp_path, monkeypatch):
+    """What jsonargparse resolves: the data module and a callback saved under their old modules."""
+    from nag_lightning.callbacks import RunCheckpoint
+    from nag_lightning.cli import run_lightning_cli
+    from nag_lightning.data import TextDataModule
+
+    monkeypatch.chdir(tmp_path)
+    data = json.dumps({"class_path": "nag_lightning.data.datamodule.ByteDataModule",
+                       "init_args": {"source": "corpus.txt", "seq_len": 8}})
+    callback = json.dumps([{"class_path": "nag_lightning.callbacks.checkpoint.RunCheckpoint",
+                            "init_args": {"save_last": True}}])
+    cli = run_lightning_cli(["--config", DEBUG, f"--data={data}", f"--trainer.callbacks={callback}",
+                             f"--trainer.default_root_dir={tmp_path}"], run=False)
+    assert type(cli.datamodule) is TextDataModule and cli.datamodule.source == "corpus.txt"
+    assert any(type(c) is RunCheckpoint for c in cli.trainer.callbacks)
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +114,9 @@ def test_the_reader_completes_the_oldest_nag_state():
 
 def test_the_oldest_nag_checkpoint_loads_resumes_sweeps_and_generates(oldest_checkpoint, tmp_path,
                                                                     capsysbinary, monkeypatch):
-    from nag_lightning.module import NAGLanguageModel
+    from nag_lightning.training.module import LanguageModel
 
-    module = NAGLanguageModel.load_from_checkpoint(oldest_checkpoint)
+    module = LanguageModel.load_from_checkpoint(oldest_checkpoint)
     strategy = module.model.strategy
     assert (strategy.angle, strategy.theta_max, strategy.norm_lane_readout) == ("magnitude", 0.25, False)
     assert not hasattr(strategy, "gate_w")

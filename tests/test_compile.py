@@ -1,4 +1,4 @@
-"""torch.compile of the Transformer (`nag_lightning.compile`): compiled training follows eager, and
+"""torch.compile of the Transformer (`nag_lightning.model.compile`): compiled training follows eager, and
 routed models stop recompiling after their first steps.
 
 Inductor on CPU compiles C++ with the system compiler: cold, that takes about a minute for one
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from nag_lightning import Transformer, TransformerConfig
-from nag_lightning.compile import compile_model
+from nag_lightning.model.compile import compile_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -118,10 +118,10 @@ def test_routed_recompilations_stay_bounded(router):
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_lightning_module_compiles_in_configure_model(compile):
-    from nag_lightning.module import NAGLanguageModel
+    from nag_lightning.training.module import LanguageModel
 
     arch = TransformerConfig(d_model=16, n_layers=1, n_heads=2, seq_len=16)
-    module = NAGLanguageModel(arch, compile=compile)
+    module = LanguageModel(arch, compile=compile)
     keys = module.state_dict().keys()
     module.configure_model()
     module.configure_model()  # the hook may run more than once (fit, then test)

@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from nag_lightning import RESIDUALS, ROUTERS, Route, Router, Transformer, TransformerConfig
-from nag_lightning.flops import (
+from nag_lightning.model.flops import (
     TransformerFlopCounter,
     count_flops,
     count_model,

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget, find_budget
 from nag_lightning.callbacks.measured import MeasuredFlopCounter
-from nag_lightning.flops import flop_counter_mode
+from nag_lightning.model.flops import flop_counter_mode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -45,12 +45,12 @@ def fit(out: Path, sharded: bool, max_steps: int, ckpt_path: str | None = None) 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from nag_lightning.model import TransformerConfig
-    from nag_lightning.module import NAGLanguageModel
+    from nag_lightning.training.module import LanguageModel
 
     torch.manual_seed(0)
     arch = TransformerConfig(d_model=32, n_layers=2, n_heads=2, seq_len=SEQ, router="topk",
                              activation_checkpointing=True)
-    module = NAGLanguageModel(arch, warmup_steps=1, lr=1e-2)
+    module = LanguageModel(arch, warmup_steps=1, lr=1e-2)
     record = Record()
     folder = out / ("sharded" if sharded else "full")
     trainer = L.Trainer(
@@ -115,7 +115,7 @@ def test_fsdp2_recipe_builds_model_parallel_over_every_device(capsys):
 
 
 def test_a_sharded_checkpoint_folder_is_refused_in_one_sentence(tmp_path):
-    from nag_lightning.trust import read_checkpoint
+    from nag_lightning.checkpoints.trust import read_checkpoint
 
     (tmp_path / "last.ckpt").mkdir()
     with pytest.raises(ValueError, match="is a folder, a sharded.*save_distributed_checkpoint: false"):
@@ -131,7 +131,7 @@ def test_fully_shard_makes_every_block_a_unit():
     from torch.distributed.tensor import DTensor
 
     from nag_lightning.model import Transformer, TransformerConfig
-    from nag_lightning.sharding import fully_shard_transformer
+    from nag_lightning.training.sharding import fully_shard_transformer
 
     # An in-memory store: no port, and nothing left in the environment for later child processes.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

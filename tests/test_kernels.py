@@ -664,7 +664,8 @@ def test_wheel_installs_kernels_as_nag_kernels(tmp_path):
     assert not any(n.startswith("kernels/") for n in names)
     recipes = {str(path.relative_to(REPO)) for path in (REPO / "recipes").rglob("*.yaml")}
     assert {f"nag_lightning/{name}" for name in recipes} <= set(names) and recipes
-    assert "nag_lightning/data/datamodule.py" in names
+    sources = {path.relative_to(REPO).as_posix() for path in (REPO / "nag_lightning").rglob("*.py")}
+    assert sources - set(names) == set()  # every subpackage is listed in pyproject's packages
 
 
 @pytest.mark.parametrize("f_dtype", [torch.float32, torch.bfloat16])

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nag_lightning import orphans
-from nag_lightning.data import prepare_corpus
+from nag_lightning.data import orphans, prepare_corpus
 
 LINUX = sys.platform.startswith("linux")
 

@@ -91,7 +91,7 @@ def outside(tmp_path_factory):
     commands this process runs, and the working folder of the runs."""
     root = tmp_path_factory.mktemp("outside")
     (root / "outside_plugins.py").write_text(PLUGINS)
-    source = Path(__file__).resolve().parents[1] / "nag_lightning" / "model.py"
+    source = Path(__file__).resolve().parents[1] / "nag_lightning" / "model" / "transformer.py"
     (root / "corpus.txt").write_text(source.read_text() * 4)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(root))

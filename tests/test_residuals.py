@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nag_lightning.compat import upgrade_nag_state
+from nag_lightning.checkpoints.compat import upgrade_nag_state
 from nag_lightning.residuals import RESIDUALS, build_residual
 
 D = 64
@@ -279,15 +279,15 @@ def test_ngpt_projects_every_matrix_to_unit_norm_along_the_embedding_axis():
 def test_ngpt_training_adds_the_weight_projection_callback():
     from nag_lightning.callbacks import WeightProjection
     from nag_lightning.model import TransformerConfig
-    from nag_lightning.module import NAGLanguageModel
+    from nag_lightning.training.module import LanguageModel
 
     def tiny(residual: str) -> TransformerConfig:
         return TransformerConfig(d_model=16, n_layers=1, n_heads=2, seq_len=8, residual=residual)
 
-    callbacks = NAGLanguageModel(tiny("ngpt")).configure_callbacks()
+    callbacks = LanguageModel(tiny("ngpt")).configure_callbacks()
     assert [type(c) for c in callbacks] == [WeightProjection]
     for name in ("prenorm", "nag", "lns", "periln"):
-        assert NAGLanguageModel(tiny(name)).configure_callbacks() == []
+        assert LanguageModel(tiny(name)).configure_callbacks() == []
 
 
 def gated_nag(**options):

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from nag_lightning import RESIDUALS, ROUTERS, Transformer, TransformerConfig
+from nag_lightning.model.routing_stats import routing_stats
 from nag_lightning.routers.threshold import ThresholdRouter
 from nag_lightning.routers.topk import TopKRouter
-from nag_lightning.routing_stats import routing_stats
 
 T = 32
 
@@ -319,11 +319,11 @@ def test_validation_says_in_the_logs_while_the_thresholds_are_settling():
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from nag_lightning.module import NAGLanguageModel
     from nag_lightning.routers.threshold import EVAL_SETTLING_STEPS
+    from nag_lightning.training.module import LanguageModel
 
     torch.manual_seed(0)
-    module = NAGLanguageModel(TransformerConfig(d_model=32, n_layers=1, n_heads=2, seq_len=T,
+    module = LanguageModel(TransformerConfig(d_model=32, n_layers=1, n_heads=2, seq_len=T,
                                                 router="threshold", router_options={"target_rate": 0.25}))
     batches = torch.cat(text_batches(4))
     trainer = L.Trainer(accelerator="cpu", max_steps=3, val_check_interval=3, limit_val_batches=1,
@@ -471,13 +471,13 @@ def test_target_rate_outside_zero_one(rate):
 
 
 def test_bad_router_options_reach_the_user_through_the_lightning_module():
-    from nag_lightning.module import NAGLanguageModel
+    from nag_lightning.training.module import LanguageModel
 
     with pytest.raises(ValueError, match=r"route_kinds names sublayer kinds \['ffn'\] that do not exist"):
-        NAGLanguageModel(TransformerConfig(d_model=32, n_layers=2, n_heads=2, seq_len=T,
+        LanguageModel(TransformerConfig(d_model=32, n_layers=2, n_heads=2, seq_len=T,
                                            router="threshold", route_kinds=["ffn"]))
     with pytest.raises(ValueError, match=r"capacity must be in \(0, 1\]"):
-        NAGLanguageModel(TransformerConfig(d_model=32, n_layers=2, n_heads=2, seq_len=T,
+        LanguageModel(TransformerConfig(d_model=32, n_layers=2, n_heads=2, seq_len=T,
                                            router="topk", router_options={"capacity": 2}))
 
 
@@ -560,7 +560,7 @@ def test_angle_predictor_reaches_its_target_rate_and_learns_nothing_itself():
 
 def test_angle_predictor_generates_with_the_kv_cache_as_without():
     from nag_lightning.analysis.generate import generate_tokens, use_causal_routing
-    from nag_lightning.inference import generate_cached
+    from nag_lightning.model.inference import generate_cached
 
     prompt = list(b"def main(args):\n    ")
     model = gated_threshold(seq_len=len(prompt) + 60, tau=math.pi / 4, warmup_steps=0).eval()

@@ -9,7 +9,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 
-from nag_lightning.runs import lock_run
+from nag_lightning.training.runs import lock_run
 from tests.helpers import run_cli
 from tests.test_bad_input import WORDS, one_sentence
 

@@ -13,7 +13,7 @@ import torch
 
 from nag_lightning.analysis.compare import compare
 from nag_lightning.cli import main
-from nag_lightning.runs import claim_version, latest_run
+from nag_lightning.training.runs import claim_version, latest_run
 from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]

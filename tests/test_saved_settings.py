@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nag_lightning.saved_settings import saved_architecture, saved_model_settings
+from nag_lightning.checkpoints.settings import saved_architecture, saved_model_settings
 from tests.helpers import run_command
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
@@ -67,10 +67,10 @@ def test_the_old_layout_reads_as_the_new_one():
 
 def test_an_old_checkpoint_loads_validates_resumes_sweeps_and_generates(old_checkpoint, tmp_path,
                                                                        capsysbinary, monkeypatch):
-    from nag_lightning.checkpoint import load_transformer
-    from nag_lightning.module import NAGLanguageModel
+    from nag_lightning.checkpoints.reader import load_transformer
+    from nag_lightning.training.module import LanguageModel
 
-    module = NAGLanguageModel.load_from_checkpoint(old_checkpoint)
+    module = LanguageModel.load_from_checkpoint(old_checkpoint)
     assert module.config.residual == "nag" and module.config.residual_options == {"theta_max": 0.25}
     assert module.config.d_model == 32 and module.config.route_kinds == ["attn", "mlp"]
     model, _ = load_transformer(str(old_checkpoint))

@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget
 from nag_lightning.cli import run_lightning_cli
-from nag_lightning.flops import reference_training_flops
 from nag_lightning.model import TransformerConfig
-from nag_lightning.module import NAGLanguageModel
+from nag_lightning.model.flops import reference_training_flops
+from nag_lightning.training.module import LanguageModel
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALE = sorted((ROOT / "recipes" / "scale").glob("*.yaml"))
@@ -35,10 +35,10 @@ SEQ, BATCH = 16, 4
 SIGN = "tests.test_flops.SignRouter"  # data-dependent executed counts
 
 
-def model(router: str = "none", lr: float = 3e-3) -> NAGLanguageModel:
+def model(router: str = "none", lr: float = 3e-3) -> LanguageModel:
     torch.manual_seed(0)
     arch = TransformerConfig(d_model=32, n_layers=2, n_heads=2, seq_len=SEQ, router=router)
-    return NAGLanguageModel(arch, warmup_steps=1, lr=lr)
+    return LanguageModel(arch, warmup_steps=1, lr=lr)
 
 
 def loader(samples: int = 32) -> DataLoader:

@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget
 from nag_lightning.model import TransformerConfig
-from nag_lightning.module import NAGLanguageModel, warmup_stable_decay
-from nag_lightning.module import __file__ as module_file
+from nag_lightning.training.module import LanguageModel, warmup_stable_decay
+from nag_lightning.training.module import __file__ as module_file
 from tests.test_budget import SIGN, dense_step_flops, loader, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,11 +24,11 @@ LR, WARMUP, MIN_RATIO = 1e-2, 2, 0.1
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def model(router: str = "none", **schedule) -> NAGLanguageModel:
+def model(router: str = "none", **schedule) -> LanguageModel:
     torch.manual_seed(0)
     settings = {"schedule": "wsd", "warmup_steps": WARMUP, "min_lr_ratio": MIN_RATIO, **schedule}
     arch = TransformerConfig(d_model=16, n_layers=2, n_heads=2, seq_len=16, router=router)
-    return NAGLanguageModel(arch, lr=LR, **settings)
+    return LanguageModel(arch, lr=LR, **settings)
 
 
 class RecordLR(L.Callback):
@@ -124,9 +124,9 @@ def test_cosine_under_a_budget_says_it_decays_over_the_steps(tmp_path):
 
 def test_schedule_settings_are_checked():
     with pytest.raises(ValueError, match="model.schedule must be one of cosine, wsd"):
-        NAGLanguageModel(schedule="linear")
+        LanguageModel(schedule="linear")
     with pytest.raises(ValueError, match=r"model.decay_fraction in \(0, 1\]"):
-        NAGLanguageModel(schedule="wsd", decay_fraction=0.0)
+        LanguageModel(schedule="wsd", decay_fraction=0.0)
 
 
 def test_isoflop_recipes_anneal_at_the_end_of_their_budget():

@@ -14,7 +14,7 @@ from nag_lightning.analysis.generate import generate, generate_tokens, sample_ne
 from nag_lightning.analysis.sweep import run_sweep, sweep
 from nag_lightning.cli import main
 from nag_lightning.model import TransformerConfig
-from nag_lightning.module import NAGLanguageModel
+from nag_lightning.training.module import LanguageModel
 
 DEBUG = Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml"
 ROUTERS = {
@@ -66,7 +66,7 @@ def is_png(path: Path) -> bool:
 
 
 def test_sweep_attaches_and_fits_threshold_routers_to_a_model_trained_without_one(checkpoints, workdir):
-    module = NAGLanguageModel.load_from_checkpoint(checkpoints["none"], map_location="cpu")
+    module = LanguageModel.load_from_checkpoint(checkpoints["none"], map_location="cpu")
     weights = {k: v.clone() if torch.is_tensor(v) else v for k, v in module.model.state_dict().items()}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(6)]
@@ -149,7 +149,7 @@ def test_generation_routes_each_new_byte_as_the_full_sequence_would(checkpoints,
 
     # teacher-force the whole text: the same greedy bytes, and the same sublayers run at the
     # positions they were predicted from (routing is causal in eval mode)
-    model = NAGLanguageModel.load_from_checkpoint(checkpoints[router], map_location="cpu").model.eval()
+    model = LanguageModel.load_from_checkpoint(checkpoints[router], map_location="cpu").model.eval()
     prompt = list(b"def f(x):")
     text = torch.tensor(prompt + result.tokens).unsqueeze(0)
     executed = []
@@ -227,7 +227,7 @@ def test_sampling_with_top_k_one_is_greedy_and_bad_options_are_refused():
     logits = torch.randn(256)
     g = torch.Generator().manual_seed(0)
     assert sample_next(logits, temperature=1.5, top_k=1, generator=g) == int(logits.argmax())
-    model = NAGLanguageModel(TransformerConfig(d_model=32, n_layers=1, n_heads=2, seq_len=8)).model
+    model = LanguageModel(TransformerConfig(d_model=32, n_layers=1, n_heads=2, seq_len=8)).model
     with pytest.raises(ValueError, match="prompt is empty"):
         generate_tokens(model, [], 4)
     with pytest.raises(ValueError, match="temperature >= 0"):
@@ -246,7 +246,7 @@ def test_sweep_refuses_a_missing_checkpoint(tmp_path, capsys):
 def test_sweep_can_skip_on_nags_own_angle_without_a_probe(checkpoints):
     """router_options {predictor: angle}: the attached threshold routers read the gated angle NAG
     plans, have nothing to fit, and the default taus span skipping nothing to a good share."""
-    module = NAGLanguageModel.load_from_checkpoint(checkpoints["none"], map_location="cpu")
+    module = LanguageModel.load_from_checkpoint(checkpoints["none"], map_location="cpu")
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(4)]
     rows = run_sweep(module, batches[:2], batches[2:], router_options={"predictor": "angle"})
@@ -262,9 +262,9 @@ def test_sweep_can_skip_on_nags_own_angle_without_a_probe(checkpoints):
 def test_sweep_router_options_are_checked(checkpoints):
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(4)]
-    unrouted = NAGLanguageModel.load_from_checkpoint(checkpoints["none"], map_location="cpu")
+    unrouted = LanguageModel.load_from_checkpoint(checkpoints["none"], map_location="cpu")
     with pytest.raises(ValueError, match="router_options has 'predictr', which the router 'threshold'"):
         run_sweep(unrouted, batches[:2], batches[2:], router_options={"predictr": "angle"})
-    routed = NAGLanguageModel.load_from_checkpoint(checkpoints["threshold"], map_location="cpu")
+    routed = LanguageModel.load_from_checkpoint(checkpoints["threshold"], map_location="cpu")
     with pytest.raises(ValueError, match="trained with its own routers: drop router_options"):
         run_sweep(routed, batches[:2], None, router_options={"predictor": "angle"})

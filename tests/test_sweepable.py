@@ -11,10 +11,10 @@ from nag_lightning.analysis.oracle import OracleSublayer, oracle, under_oracle
 from nag_lightning.analysis.sweep import run_sweep
 from nag_lightning.analysis.sweepable import OwnSweep, ThresholdSweep, TopKSweep, UnroutedSweep, sweep_of
 from nag_lightning.model import Transformer, TransformerConfig
-from nag_lightning.module import NAGLanguageModel
 from nag_lightning.routers import NoRouter, Route, Router
 from nag_lightning.routers.threshold import ThresholdRouter
 from nag_lightning.routers.topk import TopKRouter
+from nag_lightning.training.module import LanguageModel
 
 
 class KeepAll(Router):
@@ -46,7 +46,7 @@ def test_each_router_class_finds_its_sweep():
 
 
 def test_a_router_without_the_protocol_trains_but_the_sweep_says_it_cannot_sweep_it():
-    module = NAGLanguageModel(arch(router=f"{__name__}.KeepAll"))
+    module = LanguageModel(arch(router=f"{__name__}.KeepAll"))
     batches = [torch.randint(0, 256, (2, 17))]
     loss, _ = module._loss(batches[0])
     loss.backward()  # it trains

@@ -15,7 +15,6 @@ import pytest
 import torch
 from litdata import StreamingDataset, TokensLoader
 
-from nag_lightning import tokenizer as tokenizers
 from nag_lightning.cli import main
 from nag_lightning.data import (
     TextDataModule,
@@ -25,9 +24,10 @@ from nag_lightning.data import (
     token_counts,
     tokenizing,
 )
+from nag_lightning.data import tokenizer as tokenizers
+from nag_lightning.data.tokenizer import HFTokenizer, StreamDecoder, Tokenizer
 from nag_lightning.model import TransformerConfig
-from nag_lightning.module import NAGLanguageModel
-from nag_lightning.tokenizer import HFTokenizer, StreamDecoder, Tokenizer
+from nag_lightning.training.module import LanguageModel
 from tests.helpers import run_command as run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,7 +197,7 @@ def test_prepare_on_a_latin1_corpus_reports_token_bytes_equal_to_its_bytes(tmp_p
 # ---- bits per byte ----------------------------------------------------------------------------------
 
 
-class Uniform(NAGLanguageModel):
+class Uniform(LanguageModel):
     """A model whose every prediction is uniform over its vocabulary: loss ln V per token."""
 
     def __init__(self, vocab_size: int) -> None:

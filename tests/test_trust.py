@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from nag_lightning.checkpoints.trust import untrusted_plugins
 from nag_lightning.cli import main, run_lightning_cli
 from nag_lightning.residuals.nag import NAGResidual
-from nag_lightning.trust import untrusted_plugins
 from tests.helpers import run_cli
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nag_lightning.plotting import pyplot, save
+from nag_lightning.analysis.plotting import pyplot, save
 
 COLUMNS = ("run", "residual", "router", "steps", "tokens", "training_flops", "executed_fraction",
            "executed_params_per_token", "final_val_bpb")
@@ -121,7 +121,7 @@ def _checkpoint_totals(run_dir: Path) -> dict[str, float]:
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     if not ckpt.is_file():
         return {}
-    from nag_lightning.checkpoint import read_saved
+    from nag_lightning.checkpoints.reader import read_saved
 
     state = read_saved(ckpt).raw.get("callbacks", {})
     accounting = state.get("FlopAccounting")
@@ -199,7 +199,7 @@ def summarize(run_dir: Path, label: str) -> RunSummary:
     last_step = totals[-1][0] if totals else max((s for v in cols.values() for s, _ in v), default=-1)
     fraction = [v for _, v in cols.get("flops/executed_fraction", [])]
     params = [v for _, v in cols.get("flops/executed_params_per_token", [])]
-    from nag_lightning.saved_settings import saved_architecture  # torch: only once there is a run
+    from nag_lightning.checkpoints.settings import saved_architecture  # torch: only once there is a run
 
     hp = saved_architecture(_hparams(run_dir))
     router = hp.get("router", "?")

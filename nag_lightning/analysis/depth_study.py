@@ -31,6 +31,7 @@ import statistics
 import zlib
 from pathlib import Path
 
+from nag_lightning.analysis.plotting import pyplot, save
 from nag_lightning.analysis.study import (
     DEFAULT_RESIDUALS,
     check_study_options,
@@ -39,7 +40,6 @@ from nag_lightning.analysis.study import (
     run_one,
     write_csv,
 )
-from nag_lightning.plotting import pyplot, save
 
 
 def color(residual: str) -> str:

@@ -2,7 +2,7 @@
 
 What the sweep and the studies share. `evaluate` runs the model as it is set up (its routers at
 their settings, or under `oracle.oracle`) and reads the counts of
-`nag_lightning.flops`, so its MoD rate and FLOPs are the ones training logs.
+`nag_lightning.model.flops`, so its MoD rate and FLOPs are the ones training logs.
 """
 
 from __future__ import annotations
@@ -18,31 +18,31 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nag_lightning.analysis.oracle import under_oracle
-from nag_lightning.flops import count_model
 from nag_lightning.model import Transformer
+from nag_lightning.model.flops import count_model
 
 if TYPE_CHECKING:
-    from nag_lightning.checkpoint import SavedCheckpoint
+    from nag_lightning.checkpoints.reader import SavedCheckpoint
 
 DATA_OPTIONS = ("source", "cache_dir", "batch_size", "max_bytes", "val_fraction", "tokenizer")
 """The data module settings a checkpoint's run is evaluated with again."""
 
 
 def load_checkpoint(ckpt_path: str | Path, device: str, trust_checkpoint: bool = False):
-    """The `NAGLanguageModel` of a checkpoint, in eval mode on `device`, read once as untrusted
-    input (`nag_lightning.checkpoint`)."""
-    from nag_lightning.checkpoint import read_saved
+    """The `LanguageModel` of a checkpoint, in eval mode on `device`, read once as untrusted
+    input (`nag_lightning.checkpoints.reader`)."""
+    from nag_lightning.checkpoints.reader import read_saved
 
     return saved_module(read_saved(ckpt_path), device, trust_checkpoint)
 
 
 def saved_module(saved: SavedCheckpoint, device: str, trust_checkpoint: bool = False):
-    """The `NAGLanguageModel` of a checkpoint already read, its plugins checked
-    (`nag_lightning.trust`), in eval mode on `device`."""
-    from nag_lightning.module import NAGLanguageModel
+    """The `LanguageModel` of a checkpoint already read, its plugins checked
+    (`nag_lightning.checkpoints.trust`), in eval mode on `device`."""
+    from nag_lightning.training.module import LanguageModel
 
     saved.check_plugins(trust_checkpoint)
-    return NAGLanguageModel.from_saved(saved).to(device).eval()
+    return LanguageModel.from_saved(saved).to(device).eval()
 
 
 def checkpoint_data(module, saved: SavedCheckpoint, use_saved_files: bool = False, **overrides):
@@ -81,7 +81,7 @@ def saved_file_settings(saved: dict, overrides: dict) -> dict:
     """The saved data settings that name files other than the defaults' and that `overrides` do
     not replace: the corpus (`source`), the folder written (`cache_dir`), a tokenizer.json path."""
     from nag_lightning.data import TextDataModule
-    from nag_lightning.tokenizer import parse_spec
+    from nag_lightning.data.tokenizer import parse_spec
 
     defaults = {k: p.default for k, p in inspect.signature(TextDataModule.__init__).parameters.items()}
     named = {}
@@ -111,7 +111,7 @@ def first_batches(loader: Iterable, n: int) -> list[Tensor]:
 def evaluate(model: Transformer, batches: list[Tensor], token_bytes: Tensor | None = None) -> dict:
     """Mean loss, bits per byte, MoD rate, executed forward FLOPs per token and the routers' mean
     `predictor_agreement` (None when no router reports one) over `batches`. `token_bytes` (the
-    bytes each id stands for, `NAGLanguageModel.token_bytes`) turns the loss into bits per byte;
+    bytes each id stands for, `LanguageModel.token_bytes`) turns the loss into bits per byte;
     None: one byte per token."""
     device = next(model.parameters()).device
     nll = tokens = n_bytes = skipped = flops = 0.0

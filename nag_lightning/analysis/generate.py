@@ -10,7 +10,7 @@ tokens that complete it arrive.
 The model runs in eval mode, where every router decides from the token's own state alone:
 threshold compares its predicted angle with tau, top-k asks its causal predictor (the exact top-k
 of a sequence would look at tokens not generated yet). By default generation runs with a KV cache
-(`nag_lightning.inference`): each token is computed once, and a token that skips a sublayer costs
+(`nag_lightning.model.inference`): each token is computed once, and a token that skips a sublayer costs
 it nothing. `generate_tokens` is the uncached reference (`--cache false`): each step recomputes the
 whole prefix (at most `seq_len` tokens), which is correct by construction, since a causal model
 gives the prefix the same logits and routes every time, and quadratic in cost. For each generated
@@ -28,11 +28,11 @@ import torch
 from torch import Tensor
 
 from nag_lightning.analysis.checks import check_device, check_seed
-from nag_lightning.flops import mod_rate
-from nag_lightning.inference import Continuation, Sampling, generate_cached, sample
+from nag_lightning.data.tokenizer import BYTES, StreamDecoder, Tokenizer
 from nag_lightning.model import Transformer
+from nag_lightning.model.flops import mod_rate
+from nag_lightning.model.inference import Continuation, Sampling, generate_cached, sample
 from nag_lightning.routers import Route
-from nag_lightning.tokenizer import BYTES, StreamDecoder, Tokenizer
 
 MAX_NEW_TOKENS = 1_000_000
 """The most tokens `generate` continues a prompt by: beyond the model's context it keeps going
@@ -200,7 +200,7 @@ def generate(
         on_bytes: called as on_bytes(i, data) with the bytes of each token of prompt i as it
             arrives.
     """
-    from nag_lightning.checkpoint import load_transformer_and_tokenizer
+    from nag_lightning.checkpoints.reader import load_transformer_and_tokenizer
 
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
     check_generate_options(texts, max_new_tokens, device, seed)

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
-from nag_lightning.kv_cache import CachedPass
 from nag_lightning.model import Sublayer, Transformer
+from nag_lightning.model.kv_cache import CachedPass
 from nag_lightning.residuals import ResidualStrategy, State
 
 

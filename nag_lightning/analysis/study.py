@@ -145,7 +145,7 @@ def held_out_bpb(ckpt: Path, batches: int, trust_checkpoint: bool = False) -> tu
     import torch
 
     from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, saved_module
-    from nag_lightning.checkpoint import read_saved
+    from nag_lightning.checkpoints.reader import read_saved
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     saved = read_saved(ckpt)
@@ -168,7 +168,7 @@ def run_one(recipe: str, out: Path, residual: str, depth: int, seed: int, extra:
     """One point of the depth study (cached like every `fit_run`). A sweep run (`lr` given) also
     gets `select_bpb` and `report_bpb`, its bits per byte on the two halves of `split_batches`
     validation batches, cached in its result.json; `trust_checkpoint` lets that checkpoint name a
-    plugin by class path (`nag_lightning.trust`)."""
+    plugin by class path (`nag_lightning.checkpoints.trust`)."""
     name = run_name(residual, depth, seed, lr)
     result_path = out / name / "result.json"
     if not result_path.is_file():

@@ -33,12 +33,12 @@ from nag_lightning.analysis.oracle import oracle as oracle_of
 from nag_lightning.analysis.probes import attach_sweep_routers, fit_probes
 from nag_lightning.analysis.sweep_report import ORACLE, SweepRow, plot, report, write_csv
 from nag_lightning.analysis.sweepable import RouterSweep, sweep_of
-from nag_lightning.checkpoint import read_saved
-from nag_lightning.flops import full_depth_forward_flops
+from nag_lightning.checkpoints.reader import read_saved
+from nag_lightning.checkpoints.trust import is_remote
 from nag_lightning.model import SUBLAYER_KINDS, Transformer
+from nag_lightning.model.flops import full_depth_forward_flops
 from nag_lightning.registry import plugin_name
 from nag_lightning.routers import Router
-from nag_lightning.trust import is_remote
 
 
 def routed_routers(model: Transformer) -> list[Router]:
@@ -79,7 +79,7 @@ def run_sweep(
     values: list[float] | None = None,
     router_options: dict | None = None,
 ) -> list[SweepRow]:
-    """Evaluate a trained `NAGLanguageModel` over routing settings; see the module docstring.
+    """Evaluate a trained `LanguageModel` over routing settings; see the module docstring.
     The values swept are `values`, else `taus` for a setting named tau, `capacities` for one named
     capacity, else the router's defaults (`Sweepable.default_sweep_values`). `router_options` go to
     the routers attached to a model trained without one."""

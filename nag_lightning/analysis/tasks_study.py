@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from nag_lightning.analysis.depth_study import check_options
+from nag_lightning.analysis.plotting import pyplot, save
 from nag_lightning.analysis.study import (
     DEFAULT_RESIDUALS,
     find_recipe,
@@ -38,7 +39,6 @@ from nag_lightning.analysis.study import (
     run_name,
     write_csv,
 )
-from nag_lightning.plotting import pyplot, save
 
 COMPUTE = ("angle", "planned", "executed")
 """The per-token compute measures correlated with difficulty (`TokenScores` fields)."""

@@ -18,9 +18,9 @@ import statistics
 from pathlib import Path
 
 from nag_lightning.analysis.checks import check_at_least_one
+from nag_lightning.analysis.plotting import pyplot, save
 from nag_lightning.analysis.study import DEFAULT_RESIDUALS, check_study_options, run_name, run_one
 from nag_lightning.analysis.sweep_report import ORACLE
-from nag_lightning.plotting import pyplot, save
 
 RATES = (0.1, 0.2, 0.25)
 

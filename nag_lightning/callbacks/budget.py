@@ -18,7 +18,7 @@ number of an iso-FLOP table) and honours `trainer.min_steps` / `min_epochs` if t
 `progress`, the fraction of the budget spent so far, places the decay of the warmup-stable-decay
 learning-rate schedule (`model.schedule: wsd`) at the end of each run's own budget. At setup, before
 the optimizers are configured, the budget hands itself to a module that has a
-`follow_budget(budget)` hook (the package's `NAGLanguageModel` does), so the module never looks
+`follow_budget(budget)` hook (the package's `LanguageModel` does), so the module never looks
 for its callbacks. Any module opts in the same way, or finds the budget itself: its scheduler
 reads `progress` at every step, e.g. a linear decay toward zero at
 the end of the budget (Lightning steps schedulers before the callbacks' end of the batch, so a
@@ -30,7 +30,7 @@ step's rate follows the FLOPs spent up to the step before it):
         decay = LambdaLR(optimizer, lambda step: 1.0 - budget.progress)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
 
-(`nag_lightning.module.warmup_stable_decay(step, warmup, budget.progress, decay_fraction,
+(`nag_lightning.training.module.warmup_stable_decay(step, warmup, budget.progress, decay_fraction,
 min_ratio)` gives the package's own schedule.)
 """
 
@@ -40,7 +40,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from nag_lightning.callbacks.flops import FlopAccounting, find_accounting
-from nag_lightning.flops import TRAINING_MULTIPLIER
+from nag_lightning.model.flops import TRAINING_MULTIPLIER
 
 
 class FlopBudget(L.Callback):

@@ -15,8 +15,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from nag_lightning.plotting import pyplot, save
-from nag_lightning.routing_stats import sublayer_label
+from nag_lightning.analysis.plotting import pyplot, save
+from nag_lightning.model.routing_stats import sublayer_label
 
 QUANTILES = (0.1, 0.5, 0.9)
 

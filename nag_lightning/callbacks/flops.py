@@ -1,7 +1,7 @@
 """FLOP accounting: training FLOPs per step and in total, from the tokens the model really executed.
 
 DESIGN section 5. After every optimizer step the callback asks the model what its training forward
-passes did (`nag_lightning.flops.StepFlops`), sums that over all ranks with one all-reduce, and logs:
+passes did (`nag_lightning.model.flops.StepFlops`), sums that over all ranks with one all-reduce, and logs:
 
     flops/step                       training FLOPs of the step, all ranks (3 x forward, routers
                                      aside: `StepFlops.training`)
@@ -36,8 +36,8 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from nag_lightning.callbacks.measured import MeasuredFlopCounter
-from nag_lightning.flops import TRAINING_MULTIPLIER, FlopCounter, StepFlops, TransformerFlopCounter
 from nag_lightning.model import Transformer
+from nag_lightning.model.flops import TRAINING_MULTIPLIER, FlopCounter, StepFlops, TransformerFlopCounter
 
 Listener = Callable[[L.Trainer, "FlopAccounting"], None]
 

@@ -6,7 +6,7 @@ under `torch.utils.flop_counter.FlopCounterMode` (as Lightning's `measure_flops`
 real step, so no extra pass runs and nothing the step does is repeated), from the start of the
 training step through its backward to just before the optimizer step. Every later batch of that
 shape is charged what was measured. Attention counts as math attention whatever kernel ran
-(`nag_lightning.flops.flop_counter_mode`: the fused kernels' backward is charged the four matrix
+(`nag_lightning.model.flops.flop_counter_mode`: the fused kernels' backward is charged the four matrix
 products of the math form, not a recomputation of the scores).
 
 A module whose compute depends on the data, not only on the batch's shape (routing, early exit),
@@ -28,7 +28,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from nag_lightning.flops import StepFlops, flop_counter_mode
+from nag_lightning.model.flops import StepFlops, flop_counter_mode
 
 ShapeKey = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 

@@ -15,11 +15,11 @@ from collections import defaultdict
 import lightning as L
 import torch
 
-from nag_lightning.routing_stats import routing_stats
+from nag_lightning.model.routing_stats import routing_stats
 
 
 def _seq_len(batch: torch.Tensor) -> int:
-    """The model reads batch[:, :-1] (inputs) and predicts batch[:, 1:] (NAGLanguageModel._loss)."""
+    """The model reads batch[:, :-1] (inputs) and predicts batch[:, 1:] (LanguageModel._loss)."""
     return batch.shape[-1] - 1
 
 

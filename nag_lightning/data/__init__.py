@@ -2,7 +2,7 @@
 
 Text is tokenized ONCE, in `prepare_corpus`, into litdata chunks under `cache_dir/<hash>/{train,val}`:
 by default as raw bytes (vocab 256, one token per byte), or with the tokenizer `data.tokenizer`
-names (`nag_lightning.tokenizer`: a Hugging Face tokenizer.json, or a byte-level BPE trained here on
+names (`nag_lightning.data.tokenizer`: a Hugging Face tokenizer.json, or a byte-level BPE trained here on
 the training split and cached under `cache_dir/tokenizers/`). Training then streams fixed blocks of
 `seq_len + 1` tokens with litdata's `StreamingDataset` + `TokensLoader`, read by a
 `StreamingDataLoader`, so sharding across ranks and workers and mid-epoch resume come from litdata
@@ -18,25 +18,34 @@ chunks are one flat token stream, cut into blocks only when read. A tokenized fo
 tokenizer.json beside the chunks, so it is a complete `data.source` by itself.
 
 The package, by job: `corpus` (which files, their splits, the cache key), `tokenizing` (litdata's
-`optimize` in a child process), `bpe` (the corpus's tokenizer), `prepare` (the cache folder, written
-atomically), `filesystem` (probes and the sentences for folders that fail) and `datamodule` (the
-LightningDataModule). The names below are the public ones, importable from `nag_lightning.data`.
+`optimize` in a child process), `tokenizer` (bytes, BPE and Hugging Face tokenizers), `bpe` (the
+corpus's tokenizer), `prepare` (the cache folder, written atomically), `orphans` (what an
+interrupted preparation leaves behind), `filesystem` (probes and the sentences for folders that
+fail) and `datamodule` (the LightningDataModule). The names below are the public ones, importable
+from `nag_lightning.data`; each loads on first use, so a tokenizer (`generate`) costs no Lightning
+or litdata import.
 """
 
-from nag_lightning.data.bpe import load_tokenizer, prepared_tokenizer
-from nag_lightning.data.corpus import (
-    DEFAULT_STDLIB_MAX_BYTES,
-    check_source,
-    optimized_dir,
-    resolve_files,
-    stdlib_files,
-    token_counts,
-)
-from nag_lightning.data.datamodule import ByteDataModule, TextDataModule
-from nag_lightning.data.prepare import prepare_corpus
+_PUBLIC = {
+    "load_tokenizer": "bpe", "prepared_tokenizer": "bpe",
+    "DEFAULT_STDLIB_MAX_BYTES": "corpus", "check_source": "corpus", "optimized_dir": "corpus",
+    "resolve_files": "corpus", "stdlib_files": "corpus", "token_counts": "corpus",
+    "TextDataModule": "datamodule",
+    "ByteDataModule": "datamodule",  # the name of earlier releases, kept for their configs
+    "prepare_corpus": "prepare",
+}
 
-__all__ = [
-    "DEFAULT_STDLIB_MAX_BYTES", "ByteDataModule", "TextDataModule", "check_source", "load_tokenizer",
-    "optimized_dir", "prepare_corpus", "prepared_tokenizer", "resolve_files", "stdlib_files",
-    "token_counts",
-]
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(f"nag_lightning.data.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module 'nag_lightning.data' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])
+
+
+__all__ = sorted(_PUBLIC)

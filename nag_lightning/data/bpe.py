@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-from nag_lightning import tokenizer as tokenizers
+from nag_lightning.data import tokenizer as tokenizers
 from nag_lightning.data import tokenizing
 from nag_lightning.data.corpus import (
     META,
@@ -22,7 +22,7 @@ from nag_lightning.data.corpus import (
     plan,
 )
 from nag_lightning.data.filesystem import CACHEDIR_SIGNATURE, CACHEDIR_TAG, is_remote, unwritable
-from nag_lightning.tokenizer import HFTokenizer, Tokenizer
+from nag_lightning.data.tokenizer import HFTokenizer, Tokenizer
 
 
 def load_tokenizer(

@@ -13,12 +13,12 @@ import lightning as L
 import torch
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
-from nag_lightning import tokenizer as tokenizers
+from nag_lightning.data import tokenizer as tokenizers
 from nag_lightning.data.bpe import load_tokenizer
 from nag_lightning.data.corpus import check_fraction, check_source, split_chunks, too_short
 from nag_lightning.data.filesystem import is_remote, unreachable
 from nag_lightning.data.prepare import prepare_corpus
-from nag_lightning.tokenizer import Tokenizer
+from nag_lightning.data.tokenizer import Tokenizer
 
 # Newer litdata shuffles items within a chunk only inside windows of 256 blocks unless told to
 # permute the whole chunk; older releases always permuted the whole chunk.

@@ -9,7 +9,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from nag_lightning import tokenizer as tokenizers
+from nag_lightning.data import tokenizer as tokenizers
 from nag_lightning.data import tokenizing
 from nag_lightning.data.bpe import corpus_tokenizer, prepared_tokenizer
 from nag_lightning.data.corpus import (
@@ -22,8 +22,8 @@ from nag_lightning.data.corpus import (
     plan,
 )
 from nag_lightning.data.filesystem import CACHEDIR_SIGNATURE, CACHEDIR_TAG, is_remote, unwritable
-from nag_lightning.orphans import owned_name, remove_orphaned
-from nag_lightning.tokenizer import Tokenizer
+from nag_lightning.data.orphans import owned_name, remove_orphaned
+from nag_lightning.data.tokenizer import Tokenizer
 
 
 def prepare_corpus(

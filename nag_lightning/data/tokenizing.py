@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from litdata import TokensLoader, optimize
 
-from nag_lightning import tokenizer as tokenizers
-from nag_lightning.orphans import die_with_parent
-from nag_lightning.tokenizer import Tokenizer
+from nag_lightning.data import tokenizer as tokenizers
+from nag_lightning.data.orphans import die_with_parent
+from nag_lightning.data.tokenizer import Tokenizer
 
 # Chunk files of ~16 MB. The shuffle permutes chunk order, then the blocks inside each chunk; a
 # block never straddles two chunks, so each chunk's last (< seq_len + 1) bytes are never read.
@@ -54,7 +54,7 @@ def _read_tokens(piece: tuple[str, int, int]) -> Iterator[torch.Tensor]:
 def _encode_tokens(piece: tuple[str, int, int], tokenizer: Tokenizer) -> Iterator[torch.Tensor]:
     """litdata `optimize` worker for a tokenizer other than bytes: yield the token ids of a byte
     range of one file, read 4 MiB at a time and cut only where a GPT-2-style pre-tokenizer ends a
-    token anyway (`nag_lightning.tokenizer.safe_cut`), so the ids are those of the whole range."""
+    token anyway (`nag_lightning.data.tokenizer.safe_cut`), so the ids are those of the whole range."""
     carry = b""
     for data, last in _read_range(piece):
         data = carry + data

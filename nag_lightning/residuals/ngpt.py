@@ -21,7 +21,7 @@ stream, the columns of the output projections that write it), which training app
 of fit and after every optimizer step (`nag_lightning.callbacks.WeightProjection`, added by the
 LightningModule on its own when the strategy is nGPT).
 
-What differs from the paper, because it lives inside the sublayers of `model.py`, shared by every
+What differs from the paper, because it lives inside the sublayers of `model/transformer.py`, shared by every
 strategy: q and k are not normalized and scaled by s_qk, the MLP has no s_u/s_v scales, and the
 softmax scale stays 1/sqrt(head width). In their place the read hands sublayers sqrt(d)·x times a
 learnable per-channel gain γ_i (init 1): with unit-norm weight rows this puts pre-activations on the

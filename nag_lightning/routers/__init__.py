@@ -106,7 +106,7 @@ class Router(nn.Module):
     def flops_per_token(self) -> int:
         """Forward FLOPs (2 x multiply-adds) the router spends per token it scores, for accounting,
         in its current mode (`self.training`): in training what `forward` and `observe` run there,
-        in evaluation what runs there. Count matrix products only, as `nag_lightning.flops` does."""
+        in evaluation what runs there. Count matrix products only, as `nag_lightning.model.flops` does."""
         return 0
 
     def backward_flops_per_token(self) -> int:

@@ -331,7 +331,7 @@ class ThresholdRouter(Router):
         """The probe <w, h> (the bias add and softplus are not multiply-adds): once in evaluation;
         twice in training, where `observe` runs it again for the loss, after calibrating b. The
         angle predictor adds nothing: its one dot product per token is the write's own gate, per
-        token O(d) work that the accounting leaves out for every residual (`nag_lightning.flops`)."""
+        token O(d) work that the accounting leaves out for every residual (`nag_lightning.model.flops`)."""
         if self.predictor == "angle":
             return 0
         return (2 if self.training else 1) * 2 * self.d_model

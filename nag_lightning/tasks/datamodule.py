@@ -25,8 +25,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from nag_lightning.data.tokenizer import Tokenizer
 from nag_lightning.tasks import UNPREDICTABLE, Labelled, Task, build_task
-from nag_lightning.tokenizer import Tokenizer
 
 FILE_PAD = ord(" ")
 """The token shorter lines of a file are padded with, labelled UNPREDICTABLE (left out of scores)."""

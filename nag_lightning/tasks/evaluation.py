@@ -160,7 +160,7 @@ def evaluate_checkpoint(ckpt_path: str, sequences: Labelled, batch_size: int = 3
                         trust_checkpoint: bool = False) -> DifficultyReport:
     """`evaluate_by_difficulty` of a `nag-lightning fit` checkpoint's model, read as untrusted input
     (`nag_lightning.checkpoint`)."""
-    from nag_lightning.checkpoint import load_transformer
+    from nag_lightning.checkpoints.reader import load_transformer
 
     model, _ = load_transformer(ckpt_path, device, trust_checkpoint)
     if len(sequences.tokens[0]) - 1 > model.cfg.seq_len:

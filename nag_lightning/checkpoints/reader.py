@@ -4,17 +4,17 @@ that every command builds from.
 A checkpoint is untrusted input, and a file read twice may have changed in between (a file swapped
 after its trust check could make the second read name other code). So each command reads each
 checkpoint file exactly once (`read_saved`: `weights_only=True`, local or remote, via
-`nag_lightning.trust`), checks what it holds on that one object, and builds everything from it:
+`nag_lightning.checkpoints.trust`), checks what it holds on that one object, and builds everything from it:
 the model and tokenizer (`generate`), the LightningModule and the data settings (`sweep`, the
 studies), the totals (`compare`), the step (`runs`), and Lightning's own restore
 (`PreloadedCheckpointIO` hands the Trainer the dict already read). Older layouts of the saved
-settings are read through `nag_lightning.saved_settings`.
+settings are read through `nag_lightning.checkpoints.settings`.
 
 Everything inside is checked as input, not only the pickle: the saved settings must be a mapping,
 the weights a mapping of tensors whose shapes fit the model those settings describe, the step and
 the loop counters non-negative integers, and the tokenizer must fit the model's vocabulary
-(`nag_lightning.tokenizer.load_saved`). Paths in callback state are checked by the callbacks that
-use them (`nag_lightning.callbacks.checkpoint`).
+(`nag_lightning.data.tokenizer.load_saved`). Paths in callback state are checked by the callbacks that
+use them (`nag_lightning.callbacks.run_checkpoint`).
 
 Commands that only run the model (`generate`) build it here without Lightning: importing Lightning
 takes seconds, which a command that starts, writes a line and ends should not pay.
@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from nag_lightning.compat import upgrade_checkpoint
+from nag_lightning.checkpoints.compat import upgrade_checkpoint
 from nag_lightning.model import Transformer, TransformerConfig
-from nag_lightning.saved_settings import saved_architecture, saved_model_settings
-from nag_lightning.tokenizer import Tokenizer, load_saved
-from nag_lightning.trust import check_plugins, read_checkpoint
+from nag_lightning.checkpoints.settings import saved_architecture, saved_model_settings
+from nag_lightning.data.tokenizer import Tokenizer, load_saved
+from nag_lightning.checkpoints.trust import check_plugins, read_checkpoint
 
 MODEL_PREFIX = "model."  # the Transformer's weights in a LightningModule's state dict
 _PROGRESS_KEYS = frozenset({"ready", "started", "processed", "completed"})
@@ -82,7 +82,7 @@ class SavedCheckpoint:
         return load_saved(self.raw.get("tokenizer"), self.arch.get("vocab_size"), self.source)
 
     def check_plugins(self, trusted: bool, configured: Mapping | None = None, replaced=()) -> None:
-        """`nag_lightning.trust.check_plugins` on this checkpoint."""
+        """`nag_lightning.checkpoints.trust.check_plugins` on this checkpoint."""
         check_plugins(self.raw, self.source, trusted, configured, replaced)
 
     @property

@@ -24,13 +24,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from nag_lightning import tokenizer as tokenizers
-from nag_lightning.compile import compile_model
+from nag_lightning.checkpoints.settings import check_architecture
+from nag_lightning.data import tokenizer as tokenizers
+from nag_lightning.data.tokenizer import Tokenizer
 from nag_lightning.model import Transformer, TransformerConfig
-from nag_lightning.saved_settings import check_architecture
+from nag_lightning.model.compile import compile_model
 from nag_lightning.tasks import Labelled
 from nag_lightning.tasks.evaluation import DifficultyScores, score_batch
-from nag_lightning.tokenizer import Tokenizer
 
 SCHEDULES = ("cosine", "wsd")
 
@@ -51,7 +51,7 @@ class BitsPerByte(MeanMetric):
         return super().compute() / math.log(2)
 
 
-class NAGLanguageModel(L.LightningModule):
+class LanguageModel(L.LightningModule):
     """Transformer language model with a pluggable residual stream and router.
 
     Args:
@@ -71,7 +71,7 @@ class NAGLanguageModel(L.LightningModule):
         aux_loss_weight: weight of the auxiliary losses (the routers' and the residual strategy's)
             in the training loss.
         compile: compile the model with torch.compile when the Trainer sets it up
-            (`nag_lightning.compile`); the state dict and checkpoints are unchanged.
+            (`nag_lightning.model.compile`); the state dict and checkpoints are unchanged.
     """
 
     def __init__(
@@ -118,10 +118,10 @@ class NAGLanguageModel(L.LightningModule):
 
     def configure_model(self) -> None:
         """Shard the model under Lightning's ModelParallelStrategy (FSDP2, one unit per block,
-        `nag_lightning.sharding`; other strategies wrap the model themselves), then compile it when
+        `nag_lightning.training.sharding`; other strategies wrap the model themselves), then compile it when
         asked: this is the Trainer's hook for changing the model once the strategy has placed it."""
         if self.device_mesh is not None:
-            from nag_lightning.sharding import fully_shard_transformer
+            from nag_lightning.training.sharding import fully_shard_transformer
 
             fully_shard_transformer(self.model, self.device_mesh)
         if self.hparams.compile and self.model._compiled_call_impl is None:
@@ -302,12 +302,12 @@ class NAGLanguageModel(L.LightningModule):
         weights_only: bool | None = True,
         trust_checkpoint: bool = False,
         **kwargs,
-    ) -> NAGLanguageModel:
+    ) -> LanguageModel:
         """Lightning's loader, with the checkpoint treated as untrusted input and read once
-        (`nag_lightning.checkpoint.read_saved`): a residual or router it names by a class path
+        (`nag_lightning.checkpoints.reader.read_saved`): a residual or router it names by a class path
         outside the registries is refused unless `trust_checkpoint`. Keyword arguments override
         the saved settings, as in Lightning."""
-        from nag_lightning.checkpoint import read_saved
+        from nag_lightning.checkpoints.reader import read_saved
 
         if weights_only is False:
             raise ValueError(
@@ -324,8 +324,8 @@ class NAGLanguageModel(L.LightningModule):
         return module if map_location is None else module.to(map_location)
 
     @classmethod
-    def from_saved(cls, saved, strict: bool = True, **kwargs) -> NAGLanguageModel:
-        """The module a `nag_lightning.checkpoint.SavedCheckpoint` holds (its plugins checked by
+    def from_saved(cls, saved, strict: bool = True, **kwargs) -> LanguageModel:
+        """The module a `nag_lightning.checkpoints.reader.SavedCheckpoint` holds (its plugins checked by
         the caller), built from that one read: its settings, `kwargs` on top, its tokenizer and
         weights."""
         settings = {**saved.settings, **kwargs}
@@ -340,7 +340,7 @@ class NAGLanguageModel(L.LightningModule):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """`nn.Module.load_state_dict`, with weights that do not fit this model said in one
         sentence (the Trainer restores checkpoints through it too)."""
-        from nag_lightning.checkpoint import fitting_weights
+        from nag_lightning.checkpoints.reader import fitting_weights
 
         with fitting_weights(self.state_dict(), state_dict):
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
@@ -373,6 +373,10 @@ class NAGLanguageModel(L.LightningModule):
         tokenizers.check_fits(saved, self.config.vocab_size)
         self.set_tokenizer(saved)
         check_architecture(checkpoint.get("hyper_parameters", {}), asdict(self.config))
+
+
+NAGLanguageModel = LanguageModel
+"""The name of earlier releases (it trains any residual strategy), kept for their configs."""
 
 
 def warmup_stable_decay(

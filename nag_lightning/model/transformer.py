@@ -11,7 +11,7 @@ same `Sublayer` wrapper:
 
 so a residual strategy never sees routing and a router never sees the residual state. Generation
 runs the same path over new tokens only (`stream(idx, cached)`): attention then reads and extends
-the KV cache of its executed tokens (`nag_lightning.kv_cache`, driven by `nag_lightning.inference`).
+the KV cache of its executed tokens (`kv_cache`, driven by `inference`, beside this module).
 Shapes: B batch, T sequence, C = d_model, N executed tokens, K executed tokens of the longest
 sequence (the padded width routed attention runs at), H heads, D head width.
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from nag_lightning.kv_cache import CachedPass, KVCache
+from nag_lightning.model.kv_cache import CachedPass, KVCache
 from nag_lightning.residuals import ResidualStrategy, State, build_residual
 from nag_lightning.routers import Route, Router, build_router
 
@@ -299,7 +299,7 @@ class SwiGLU(nn.Module):
 
 
 SUBLAYER_MODULES: dict[str, type[Attention] | type[SwiGLU]] = {"attn": Attention, "mlp": SwiGLU}
-"""The module of each sublayer kind; each says its own weights and attention work (`nag_lightning.flops`)."""
+"""The module of each sublayer kind; each says its own weights and attention work (`flops`)."""
 
 
 class Sublayer(nn.Module):

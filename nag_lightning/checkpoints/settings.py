@@ -1,7 +1,7 @@
 """A checkpoint's saved model settings, read in the current layout; the one architecture check.
 
 The architecture is one `TransformerConfig`, `model.arch` in YAML and `hyper_parameters["arch"]`
-in a checkpoint. Earlier layouts are brought to this one by `nag_lightning.compat`, which every
+in a checkpoint. Earlier layouts are brought to this one by `nag_lightning.checkpoints.compat`, which every
 reader of saved settings goes through (`saved_model_settings`, `saved_architecture`), so the model
 and the module see one layout.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nag_lightning.compat import ARCH, current_layout
+from nag_lightning.checkpoints.compat import ARCH, current_layout
 from nag_lightning.model import RESUMABLE_CHANGES
 
 

@@ -84,7 +84,7 @@ def latest_run(root: Path) -> tuple[int, Path] | None:
 
 def checkpoint_step(path: Path) -> int:
     """The global step a checkpoint holds, read by the one checkpoint reader."""
-    from nag_lightning.checkpoint import read_saved
+    from nag_lightning.checkpoints.reader import read_saved
 
     return read_saved(path).global_step
 

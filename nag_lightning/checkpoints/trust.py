@@ -27,7 +27,7 @@ import torch
 from nag_lightning.registry import Registry
 from nag_lightning.residuals import RESIDUALS
 from nag_lightning.routers import ROUTERS
-from nag_lightning.saved_settings import ARCH, saved_architecture
+from nag_lightning.checkpoints.settings import ARCH, saved_architecture
 
 TRUST_FLAG = "--trust_checkpoint"
 TRUST_HELP = (
@@ -163,7 +163,7 @@ def plugin_class_path(spec: object) -> str | None:
 
 def untrusted_plugins(settings: Mapping, configured: Mapping | None = None) -> list[str]:
     """`model.arch.<setting>='<class path>'` for each plugin in `settings` (a checkpoint's saved
-    settings, in any layout `nag_lightning.saved_settings` reads) named by a class path that neither
+    settings, in any layout `nag_lightning.checkpoints.settings` reads) named by a class path that neither
     a registry knows nor `configured` (the user's own model settings) names too."""
     found = []
     own = saved_architecture(configured or {})

@@ -2,7 +2,7 @@
 
 Like torchtitan's state-dict adapter, this is the one module that knows earlier formats: the model,
 its plugins and the commands see only the current one. The checkpoint reader
-(`nag_lightning.checkpoint.read_saved`) passes every checkpoint it reads through
+(`nag_lightning.checkpoints.reader.read_saved`) passes every checkpoint it reads through
 `upgrade_checkpoint`, so a run resumed, evaluated, swept or generated from reads the same, and
 every reader of saved settings goes through `current_layout`. What earlier releases wrote:
 
@@ -15,22 +15,28 @@ every reader of saved settings goes through `current_layout`. What earlier relea
   named, so the model is built as it trained: without the gate.
 - Configs and command lines before `model.arch`: refused with one sentence that says how to
   write them now (`refuse_older_layout`).
+- Modules that have moved since (`MOVED_MODULES`): the class paths that checkpoints, configs and
+  run folders saved (`nag_lightning.module.NAGLanguageModel`, `nag_lightning.tokenizer.Tokenizer`,
+  ...) resolve to where those classes live now, through one import alias that `import
+  nag_lightning` installs (`install_moved_modules`). That is why this module imports torch and the
+  model only where a function needs them.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 from collections.abc import Mapping
 from dataclasses import fields
+from types import ModuleType
 from typing import Any
-
-import torch
-
-from nag_lightning.model import TransformerConfig
 
 ARCH = "arch"
 PLUGIN_KINDS = ("residual", "router")
 NAG_PREFIX = "model.strategy."
-"""Where a `NAGLanguageModel` checkpoint keeps the residual strategy's state."""
+"""Where a `LanguageModel` checkpoint keeps the residual strategy's state."""
 
 NAG_BEFORE = {"angle": "magnitude", "angle_cost": 0.0, "gate_radial": False}
 """What a NAG checkpoint saved before a setting existed trained with: its absence means this."""
@@ -38,6 +44,8 @@ NAG_BEFORE = {"angle": "magnitude", "angle_cost": 0.0, "gate_radial": False}
 
 def architecture_fields() -> list[str]:
     """The settings of `TransformerConfig`, in declaration order."""
+    from nag_lightning.model import TransformerConfig
+
     return [f.name for f in fields(TransformerConfig)]
 
 
@@ -85,6 +93,8 @@ def upgrade_nag_state(state: dict, options: Mapping[str, Any], prefix: str = NAG
     by class path) in `state`, in place, given the checkpoint's residual `options`; other
     strategies' states are left alone. Returns whether the checkpoint trained with the magnitude
     angle while `options` leave the angle to the default, which is the gate now."""
+    import torch
+
     key = prefix + "_extra_state"
     alpha = state.get(prefix + "alpha")
     if key not in state:
@@ -149,3 +159,50 @@ def refuse_older_layout(argv: list[str]) -> None:
             keys = legacy_settings(model) if isinstance(model, dict) else []
             if keys:
                 raise ValueError(legacy_layout_sentence(f"The config {path}", keys))
+
+
+MOVED_MODULES = {
+    "nag_lightning.kv_cache": "nag_lightning.model.kv_cache",
+    "nag_lightning.inference": "nag_lightning.model.inference",
+    "nag_lightning.compile": "nag_lightning.model.compile",
+    "nag_lightning.flops": "nag_lightning.model.flops",
+    "nag_lightning.routing_stats": "nag_lightning.model.routing_stats",
+    "nag_lightning.tokenizer": "nag_lightning.data.tokenizer",
+    "nag_lightning.orphans": "nag_lightning.data.orphans",
+    "nag_lightning.module": "nag_lightning.training.module",
+    "nag_lightning.runs": "nag_lightning.training.runs",
+    "nag_lightning.sharding": "nag_lightning.training.sharding",
+    "nag_lightning.quiet": "nag_lightning.training.quiet",
+    "nag_lightning.checkpoint": "nag_lightning.checkpoints.reader",
+    "nag_lightning.trust": "nag_lightning.checkpoints.trust",
+    "nag_lightning.compat": "nag_lightning.checkpoints.compat",
+    "nag_lightning.saved_settings": "nag_lightning.checkpoints.settings",
+    "nag_lightning.plotting": "nag_lightning.analysis.plotting",
+    "nag_lightning.callbacks.checkpoint": "nag_lightning.callbacks.run_checkpoint",
+}
+"""Where each module of earlier releases lives now: an old module path (saved as part of a class
+path) imports as the module that replaced it, the same module object, so its classes are the same."""
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old module path (`MOVED_MODULES`) as the module now at the new one."""
+
+    def find_spec(self, fullname: str, path: object, target: object = None):
+        if fullname not in MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec) -> ModuleType:
+        module = importlib.import_module(MOVED_MODULES[spec.name])
+        spec.loader_state = module.__spec__  # the import machinery sets the alias's spec on it
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = module.__spec__.loader_state  # already run: only give its own spec back
+
+
+def install_moved_modules() -> None:
+    """Let the old module paths import (idempotent). First in line, so a stale file left at an old
+    path by an install over an earlier release is never imported beside the module that replaced it."""
+    if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _MovedModules())

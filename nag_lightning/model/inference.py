@@ -8,7 +8,7 @@ costs that sublayer nothing. Plain torch, no Lightning.
 A pass runs the model's own sublayers (`Transformer.stream` with a `CachedPass`) on the new tokens
 only; what a step needs of the earlier tokens is in the attention sublayers' KV caches, and each
 token's residual state is its own. Each attention sublayer caches only the tokens that executed it,
-as in training, so a routed model's cache is smaller (`nag_lightning.kv_cache`). Routers decide
+as in training, so a routed model's cache is smaller (`nag_lightning.model.kv_cache`). Routers decide
 for the new tokens alone, in eval mode, where every router must be causal (`Router.causal`): the
 decisions are those a forward pass over the whole text would make.
 
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from nag_lightning.kv_cache import CachedPass, KVCache
-from nag_lightning.model import Transformer
+from nag_lightning.model.kv_cache import CachedPass, KVCache
+from nag_lightning.model.transformer import Transformer
 from nag_lightning.registry import plugin_name
 
 

@@ -2,7 +2,7 @@
 
 Every `Sublayer` keeps `executed_per_seq` (B,) after a forward; every router keeps its auxiliary loss
 and `stats()`. `routing_stats` turns them into the numbers DESIGN section 4 asks each router to
-report. The counting itself is `nag_lightning.flops`' (`count_model`: executed pairs, the MoD rate,
+report. The counting itself is `nag_lightning.model.flops`' (`count_model`: executed pairs, the MoD rate,
 executed weights), so training logs, the sweep and the FLOP accounting read one definition:
 
     MoD rate = skipped (token, sublayer) executions / (tokens x sublayers of the WHOLE model)
@@ -16,7 +16,7 @@ from collections import defaultdict
 
 from torch import nn
 
-from nag_lightning.flops import count_model
+from nag_lightning.model.flops import count_model
 
 
 def sublayer_label(sublayer: nn.Module) -> str:

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from nag_lightning.model import SUBLAYER_MODULES, Transformer, TransformerConfig
+from nag_lightning.model.transformer import SUBLAYER_MODULES, Transformer, TransformerConfig
 from nag_lightning.routers import build_router
 
 TRAINING_MULTIPLIER = 3  # forward + backward (two matrix products per forward one), routers aside
