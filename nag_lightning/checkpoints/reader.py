@@ -54,7 +54,7 @@ class SavedCheckpoint:
 
     @cached_property
     def settings(self) -> dict:
-        """The saved module settings in the current layout (`saved_settings.saved_model_settings`)."""
+        """The saved module settings in the current layout (`settings.saved_model_settings`)."""
         return saved_model_settings(self.hyper_parameters)
 
     @cached_property
