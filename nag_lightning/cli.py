@@ -207,17 +207,14 @@ class NagCLI:
         sentence if it is missing or unreadable, names code outside the registries, or, for `fit`,
         has another architecture; then take its model settings, as LightningCLI does, saying
         which of this run's settings they replace."""
+        from nag_lightning.checkpoints.reader import refuse_full_unpickle
         from nag_lightning.checkpoints.settings import check_architecture
 
         subcommand = self.config.get("subcommand")
         if not subcommand:
             return
         config = self.config[subcommand]
-        if config.get("weights_only") is False:
-            raise ValueError(
-                "Checkpoints load with weights_only=True only, because a checkpoint may come from "
-                "anyone and a full unpickle can run its code; drop --weights_only false."
-            )
+        refuse_full_unpickle(config.get("weights_only"), "drop --weights_only false")
         if "weights_only" in config:
             config["weights_only"] = True  # Lightning would unpickle a URL in full without it
         ckpt_path = config.get("ckpt_path")

@@ -15,6 +15,7 @@ import torch
 from nag_lightning.checkpoints.trust import untrusted_plugins
 from nag_lightning.cli import main, run_lightning_cli
 from nag_lightning.residuals.nag import NAGResidual
+from nag_lightning.training.module import LanguageModel
 from tests.helpers import run_cli
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
@@ -210,3 +211,6 @@ def test_weights_only_false_is_refused(checkpoint, workdir, tmp_path, capsys, mo
     monkeypatch.chdir(tmp_path)
     status, err = run_cli(command("validate", str(checkpoint), workdir, "--weights_only=false"), capsys)
     assert status == 1 and "weights_only=True only" in one_sentence(err)
+    assert "drop --weights_only false" in err
+    with pytest.raises(ValueError, match="weights_only=True only.*leave weights_only unset"):
+        LanguageModel.load_from_checkpoint(checkpoint, weights_only=False)

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from nag_lightning.checkpoints.compat import upgrade_checkpoint
-from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.checkpoints.settings import saved_architecture, saved_model_settings
-from nag_lightning.data.tokenizer import Tokenizer, load_saved
 from nag_lightning.checkpoints.trust import check_plugins, read_checkpoint
+from nag_lightning.data.tokenizer import Tokenizer, load_saved
+from nag_lightning.model import Transformer, TransformerConfig
 
 MODEL_PREFIX = "model."  # the Transformer's weights in a LightningModule's state dict
 _PROGRESS_KEYS = frozenset({"ready", "started", "processed", "completed"})
@@ -105,6 +105,15 @@ class SavedCheckpoint:
         with fitting_weights(model.state_dict(), weights, self.source):
             model.load_state_dict(weights)
         return model.to(device).eval()
+
+
+def refuse_full_unpickle(weights_only: bool | None, advice: str) -> None:
+    """One sentence, ending in `advice`, for a load asked to unpickle a checkpoint in full."""
+    if weights_only is False:
+        raise ValueError(
+            "Checkpoints load with weights_only=True only, because a checkpoint may come from "
+            f"anyone and a full unpickle can run its code; {advice}."
+        )
 
 
 def read_saved(path: str | Path) -> SavedCheckpoint:

@@ -24,10 +24,10 @@ from urllib.parse import urlparse
 
 import torch
 
+from nag_lightning.checkpoints.settings import ARCH, saved_architecture
 from nag_lightning.registry import Registry
 from nag_lightning.residuals import RESIDUALS
 from nag_lightning.routers import ROUTERS
-from nag_lightning.checkpoints.settings import ARCH, saved_architecture
 
 TRUST_FLAG = "--trust_checkpoint"
 TRUST_HELP = (

@@ -307,13 +307,9 @@ class LanguageModel(L.LightningModule):
         (`nag_lightning.checkpoints.reader.read_saved`): a residual or router it names by a class path
         outside the registries is refused unless `trust_checkpoint`. Keyword arguments override
         the saved settings, as in Lightning."""
-        from nag_lightning.checkpoints.reader import read_saved
+        from nag_lightning.checkpoints.reader import read_saved, refuse_full_unpickle
 
-        if weights_only is False:
-            raise ValueError(
-                "Checkpoints load with weights_only=True only, because a checkpoint may come from "
-                "anyone and a full unpickle can run its code; leave weights_only unset."
-            )
+        refuse_full_unpickle(weights_only, "leave weights_only unset")
         if hparams_file is not None:
             raise ValueError(
                 "hparams_file is not read: a checkpoint of `nag-lightning fit` holds its settings."
