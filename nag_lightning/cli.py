@@ -477,6 +477,8 @@ COMMANDS: dict[str, str | dict[str, str]] = {
     "compare": "nag_lightning.analysis.compare:compare_command",
     "sweep": "nag_lightning.analysis.sweep:sweep_command",
     "generate": "nag_lightning.analysis.generate:generate_command",
+    "export": "nag_lightning.export:export_command",
+    "eval": "nag_lightning.analysis.lm_eval_command:eval_command",
     "study": {
         "depth": "nag_lightning.analysis.depth_study:depth_study",
         "isoflop": "nag_lightning.analysis.isoflop_study:isoflop_study",
@@ -496,6 +498,8 @@ SUMMARIES: dict[str, str] = {
     "compare": "finished runs side by side: tokens, training FLOPs, final bits per byte",
     "sweep": "accuracy against executed compute of a checkpoint's routing, CSV and PNG",
     "generate": "continue a prompt from a checkpoint, routing causally",
+    "export": "a checkpoint's model as safetensors, config.json and tokenizer.json",
+    "eval": "lm-evaluation-harness tasks on a checkpoint (pip install 'nag-lightning[eval]')",
     "study": "experiments of many runs: depth, isoflop, tradeoff, tasks",
 }
 

@@ -1,0 +1,162 @@
+"""`nag-lightning export` and reading its folder: equal logits for every residual x router, the
+commands that take a checkpoint take the folder, and a damaged folder is refused in one sentence."""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nag_lightning import RESIDUALS, ROUTERS
+from nag_lightning.checkpoint import read_saved
+from nag_lightning.export import CONFIG, TOKENIZER, WEIGHTS, export_checkpoint
+from nag_lightning.model import TransformerConfig
+from nag_lightning.module import NAGLanguageModel
+from nag_lightning.tokenizer import HFTokenizer, train_bpe
+from tests.helpers import run_cli, run_command
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TINY = dict(d_model=16, n_layers=2, n_heads=2, seq_len=16)
+
+
+def tiny_module(residual: str = "nag", router: str = "none", seed: int = 0, **arch) -> NAGLanguageModel:
+    """A tiny module whose every weight is moved off its initial value, so a weight the export
+    left out would show in the logits."""
+    torch.manual_seed(seed)
+    module = NAGLanguageModel(TransformerConfig(**{**TINY, "residual": residual, "router": router, **arch}))
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    return module
+
+
+def save_like_fit(module: NAGLanguageModel, path: Path, step: int = 3) -> Path:
+    """The checkpoint `nag-lightning fit` writes for `module`, without training."""
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                  "global_step": step, "epoch": 0, "pytorch-lightning_version": version("lightning")}
+    module.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, path)
+    return path
+
+
+def logits(saved, idx: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return saved.transformer()(idx).logits
+
+
+@pytest.mark.parametrize("residual", RESIDUALS.names())
+@pytest.mark.parametrize("router", ROUTERS.names())
+def test_an_exported_folder_gives_the_logits_of_its_checkpoint(tmp_path, residual, router):
+    ckpt = save_like_fit(tiny_module(residual, router), tmp_path / "last.ckpt")
+    out = export_checkpoint(str(ckpt), str(tmp_path / "export"))
+    assert sorted(p.name for p in out.iterdir()) == sorted([CONFIG, TOKENIZER, WEIGHTS])
+    config = json.loads((out / CONFIG).read_text())
+    assert config["arch"]["residual"] == residual and config["arch"]["router"] == router
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    original, exported = read_saved(ckpt), read_saved(out)
+    assert exported.exported and exported.global_step == 3
+    assert torch.equal(logits(original, idx), logits(exported, idx))
+    # the module too (validate, sweep): settings, tokenizer and weights through the one reader
+    module = NAGLanguageModel.from_saved(exported).eval()
+    with torch.no_grad():
+        assert torch.equal(module(idx), logits(original, idx))
+
+
+def test_the_tokenizer_travels_as_a_tokenizer_json_other_tools_read(tmp_path):
+    from tokenizers import Tokenizer as HF
+
+    bpe = HFTokenizer(train_bpe(["def main(): return 1\n" * 50, "class A: pass\n" * 50], 300), "bpe:300")
+    module = tiny_module(vocab_size=bpe.vocab_size)
+    module.set_tokenizer(bpe)
+    out = export_checkpoint(str(save_like_fit(module, tmp_path / "bpe.ckpt")), str(tmp_path / "bpe"))
+    text = "def main(): pass\n"
+    assert HF.from_file(str(out / TOKENIZER)).encode(text).ids == bpe.encode(text.encode()).tolist()
+    assert read_saved(out).tokenizer == bpe  # the same ids for the same text
+
+    out = export_checkpoint(str(save_like_fit(tiny_module(), tmp_path / "bytes.ckpt")), str(tmp_path / "b"))
+    assert HF.from_file(str(out / TOKENIZER)).encode("añ\n").ids == list("añ\n".encode())
+    assert read_saved(out).tokenizer.spec == "bytes"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("exported")
+    ckpt = save_like_fit(tiny_module("nag", "threshold"), root / "last.ckpt")
+    return export_checkpoint(str(ckpt), str(root / "model"))
+
+
+def damaged(folder: Path, tmp_path: Path, name: str, change) -> Path:
+    """A copy of the exported `folder` whose file `name` went through `change(path)`."""
+    copy = tmp_path / "damaged"
+    copy.mkdir()
+    for file in folder.iterdir():
+        (copy / file.name).write_bytes(file.read_bytes())
+    change(copy / name)
+    return copy
+
+
+def edit_config(**changes):
+    def change(path: Path) -> None:
+        config = json.loads(path.read_text())
+        for key, value in changes.items():
+            target = config
+            *parents, last = key.split("__")
+            for parent in parents:
+                target = target[parent]
+            target[last] = value
+        path.write_text(json.dumps(config))
+    return change
+
+
+def edit_weights(name: str, value):
+    def change(path: Path) -> None:
+        weights = load_file(str(path))
+        weights[name] = value(weights[name])
+        save_file(weights, str(path))
+    return change
+
+
+BAD = {
+    "missing weights": (WEIGHTS, lambda p: p.unlink(), "holds no model.safetensors"),
+    "missing config": (CONFIG, lambda p: p.unlink(), "holds no config.json"),
+    "damaged JSON": (CONFIG, lambda p: p.write_text('{"format": "nag-lightning", '), "not valid JSON"),
+    "not our JSON": (CONFIG, lambda p: p.write_text("[1, 2]"), "does not say format"),
+    "arch not a mapping": (CONFIG, edit_config(arch=[1]), "arch is missing or not a mapping"),
+    "truncated weights": (WEIGHTS, lambda p: p.write_bytes(p.read_bytes()[:100]),
+                          "not a readable safetensors file"),
+    "wrong shape": (WEIGHTS, edit_weights("head.weight", lambda w: w[:, :8].contiguous()),
+                    "head.weight is [256, 8], the model's [256, 16]"),
+    "integer weights": (WEIGHTS, edit_weights("head.weight", lambda w: w.to(torch.int64)),
+                        "head.weight is torch.int64, the model's torch.float32"),
+    "int8 weights": (WEIGHTS, edit_weights("head.weight", lambda w: w.to(torch.int8)),
+                     "of dtype torch.int8"),
+    "unknown plugin": (CONFIG, edit_config(arch__residual="evil.module.Strategy"),
+                       "names code by class path"),
+    "unknown name": (CONFIG, edit_config(arch__router="nosuch"), "nosuch"),
+    "bytes that are not": (TOKENIZER, lambda p: p.write_text(p.read_text().replace('"a":97', '"a":98')),
+                           "does not stand for bytes"),
+    "tokenizer too large": (CONFIG, edit_config(arch__vocab_size=100), "beyond the model's vocabulary"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_a_damaged_folder_is_refused_in_one_sentence(exported, tmp_path, capsys, case):
+    name, change, expected = BAD[case]
+    folder = damaged(exported, tmp_path, name, change)
+    status, err = run_cli(["generate", "--ckpt_path", str(folder), "--prompt", "a",
+                           "--max_new_tokens", "2"], capsys)
+    assert status == 1, err
+    assert expected in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_export_refuses_a_folder_that_holds_files_and_keeps_them(exported, tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("mine")
+    status, err = run_cli(["export", "--ckpt_path", str(exported), "--out", str(tmp_path)], capsys)
+    assert status == 1 and "already exists" in err and (tmp_path / "keep.txt").read_text() == "mine"
+    status, out, _ = run_command(["export", "--ckpt_path", str(exported), "--out", str(tmp_path / "again")],
+                                 capsys)
+    assert status == 0 and (tmp_path / "again" / WEIGHTS).is_file()
