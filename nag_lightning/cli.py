@@ -220,6 +220,12 @@ class NagCLI:
         if not ckpt_path or ckpt_path in CHECKPOINT_ALIASES:
             return
         checkpoint = self.read_ckpt_path(ckpt_path)
+        if subcommand == "fit" and checkpoint.exported:
+            raise ValueError(
+                f"{ckpt_path} is a folder of `nag-lightning export`, which holds weights but no "
+                f"training state to resume; start a new run from its weights with "
+                f"--model.init_weights {ckpt_path} instead of --ckpt_path."
+            )
         model_config = config.model.as_dict()
         checkpoint.check_plugins(config.get("trust_checkpoint"), model_config)
         saved = copy.deepcopy(checkpoint.settings)

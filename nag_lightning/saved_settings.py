@@ -31,7 +31,8 @@ def saved_model_settings(saved: Mapping[str, Any]) -> dict[str, Any]:
     flat move under `arch` (when there is no `arch`), plugins named by a `{class_path, init_args}`
     mapping become the class path and its options; None for options or route_kinds means their
     defaults."""
-    settings = {k: v for k, v in saved.items() if k not in architecture_fields()}
+    # `init_weights` names a file to read: only the user's own config may, never a saved setting
+    settings = {k: v for k, v in saved.items() if k not in architecture_fields() and k != "init_weights"}
     if ARCH in saved:  # the current layout: flat fields beside it are not read (nor built)
         arch = dict(saved[ARCH] or {})
     else:
