@@ -54,7 +54,10 @@ def evaluate_tasks(
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=include_path)
+    # indexing lm-eval's thousands of task files takes most of a small run: only when needed
+    manager = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
+    if manager is None or any(not manager.match_tasks([t]) for t in tasks):
+        manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if unknown:
         raise ValueError(f"lm-eval knows no task {', '.join(unknown)}; see `lm-eval ls tasks`, or give "
