@@ -66,7 +66,8 @@ def export(saved, out: str | Path) -> Path:
     config = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "arch": saved.arch,
-        "module": {k: v for k, v in saved.settings.items() if k != "arch"},
+        # Lightning's own entries (`_instantiator`, `_class_path`) name code; no reader needs them
+        "module": {k: v for k, v in saved.settings.items() if k != "arch" and not k.startswith("_")},
         "extra_state": extra,
         "tokenizer": {"spec": saved.tokenizer.spec},
         "data": saved.data,
@@ -213,7 +214,13 @@ def _read_tokenizer(file: Path, spec: str, source: str | Path) -> dict:
     """The tokenizer entry of a checkpoint (`Tokenizer.saved()`), from tokenizer.json; for bytes,
     the file must stand for the bytes tokenizer (each id the byte of its value)."""
     text = file.read_text(encoding="utf-8", errors="replace")
-    hf = HFTokenizer(text, f"{file}")
+    try:
+        hf = HFTokenizer(text, str(file))
+    except ValueError as error:
+        raise ValueError(
+            f"The {TOKENIZER} of {source} is not a tokenizer the `tokenizers` library reads "
+            f"({str(error).split(' (')[-1].split(');')[0][:120]}); export the checkpoint again."
+        ) from None
     if spec != BYTES:
         return {"spec": spec, "json": text}
     if hf.vocab_size != 256 or hf.token_bytes != Tokenizer().token_bytes:

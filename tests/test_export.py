@@ -145,6 +145,7 @@ BAD = {
     "unknown name": (CONFIG, edit_config(arch__router="nosuch"), "nosuch"),
     "bytes that are not": (TOKENIZER, lambda p: p.write_text(p.read_text().replace('"a":97', '"a":98')),
                            "does not stand for bytes"),
+    "damaged tokenizer": (TOKENIZER, lambda p: p.write_text('{"model": '), "not a tokenizer the"),
     "tokenizer too large": (CONFIG, edit_config(arch__vocab_size=100), "beyond the model's vocabulary"),
 }
 
