@@ -100,7 +100,7 @@ def test_multiple_choice_and_generation_answer_as_the_model_does(bytes_model, tm
     the question, computed here on whole sequences; nag_local_generate: its answers against the
     package's own greedy generation of the question, cut at the first newline."""
     pytest.importorskip("lm_eval")
-    results = run_eval(bytes_model, tmp_path / "out.json", "[nag_local_choice, nag_local_generate]", capsys)
+    results = run_eval(bytes_model, tmp_path / "out.json", "nag_local_choice,nag_local_generate", capsys)
     saved = read_saved(bytes_model)
     model = saved.transformer()
     docs = documents("choices.jsonl")

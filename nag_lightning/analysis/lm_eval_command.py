@@ -14,7 +14,7 @@ from pathlib import Path
 
 def evaluate_tasks(
     ckpt_path: str,
-    tasks: list[str],
+    tasks: str | list[str],
     include_path: str | None = None,
     limit: float | None = None,
     batch_size: int = 8,
@@ -29,8 +29,8 @@ def evaluate_tasks(
 
     Args:
         ckpt_path: a .ckpt file written by `nag-lightning fit`, or a folder of `nag-lightning export`.
-        tasks: lm-eval task names (or groups), e.g. [hellaswag, lambada_openai]; tasks of
-            include_path too.
+        tasks: lm-eval task names (or groups), as a list or separated by commas, e.g.
+            hellaswag,lambada_openai; tasks of include_path too.
         include_path: a folder of task YAML files of your own, added to lm-eval's tasks.
         limit: at most this many documents per task (a fraction below 1: that share of them).
         batch_size: sequences per forward pass.
@@ -43,6 +43,9 @@ def evaluate_tasks(
         seed: the seed of lm-eval's sampling of few-shot examples and of generation.
     """
     harness = _harness()
+    tasks = [t.strip() for t in tasks.split(",") if t.strip()] if isinstance(tasks, str) else list(tasks)
+    if not tasks:
+        raise ValueError("--tasks names no task; give lm-eval task names, e.g. --tasks hellaswag.")
     if output is not None and Path(output).exists():
         raise ValueError(f"--output {output} already exists; give a new file, so that nothing is "
                          "overwritten.")
@@ -64,7 +67,7 @@ def evaluate_tasks(
                          "--include_path for a folder of your own task YAML files.")
     model = harness.NagLM(ckpt_path, batch_size=batch_size, device=device,
                           trust_checkpoint=trust_checkpoint, prefix_token=prefix_token)
-    results = simple_evaluate(model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+    results = simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                               task_manager=manager, random_seed=seed, numpy_random_seed=seed,
                               torch_random_seed=seed, fewshot_random_seed=seed)
     if output is not None:
