@@ -91,18 +91,12 @@ def export(saved, out: str | Path) -> Path:
 
 def _json_text(config: dict, source: str) -> str:
     try:
-        return json.dumps(config, indent=2, allow_nan=False, default=_not_plain)
+        return json.dumps(config, indent=2, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise ValueError(
             f"The checkpoint {source} holds settings that JSON cannot write ({error}); give a "
             "checkpoint written by `nag-lightning fit`."
         ) from None
-
-
-def _not_plain(value: object) -> object:
-    if isinstance(value, tuple):
-        return list(value)
-    raise TypeError(f"{type(value).__name__} {value!r} is not plain data")
 
 
 def tokenizer_json(tokenizer: Tokenizer) -> str:

@@ -160,7 +160,8 @@ def test_eval_refuses_bad_options_in_one_sentence(bytes_model, tmp_path, capsys)
 
 
 def test_without_lm_eval_the_command_says_how_to_install_it(monkeypatch, capsys, tmp_path):
-    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed: its import fails
+    for name in [m for m in sys.modules if m.split(".")[0] == "lm_eval"] + ["lm_eval"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed: every import of it fails
     monkeypatch.delitem(sys.modules, "nag_lightning.analysis.lm_eval_model", raising=False)
     status, err = run_cli(["eval", "--ckpt_path", str(tmp_path / "x.ckpt"), "--tasks", "[a]"], capsys)
     assert status == 1 and said_once(err, "pip install 'nag-lightning[eval]'"), err
