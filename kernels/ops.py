@@ -172,12 +172,18 @@ class TracedNagWrite(torch.autograd.Function):
             )
         ctx.save_for_backward(u, f, g, alpha, beta, gamma_next, rows, angle)
         ctx.theta_max, ctx.bound, ctx.rho_dtype = theta_max, bound, rho.dtype
+        ctx.set_materialize_grads(False)  # rho's gradient stays None where rho' is unused, as the op's
         u_new, rho_new, theta, h_next = outs
         return u_new, rho_new, theta, _absent(u) if h_next is None else h_next
 
     @staticmethod
     def backward(ctx, grad_u, grad_rho, grad_theta, grad_h):
         u, f, g, alpha, beta, gamma_next, rows, angle = ctx.saved_tensors
+        # zeros for the other unused outputs: the formulas then round as the gradcheck expects
+        grad_u = torch.zeros_like(u) if grad_u is None else grad_u
+        grad_theta = torch.zeros_like(u[..., 0]) if grad_theta is None else grad_theta
+        if gamma_next is not None and grad_h is None:
+            grad_h = torch.zeros_like(u)
         with torch.autocast(u.device.type, enabled=False):
             du, df, dg, dalpha, dbeta, dgamma, dangle = nag_write_reference_backward(
                 u, f, g, alpha, beta, ctx.theta_max, gamma_next, ctx.bound,
