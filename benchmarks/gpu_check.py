@@ -19,7 +19,8 @@ the others still run), each with a time budget that its loops and child processe
     activation_checkpointing  NAG step time and peak memory with `activation_checkpointing`
     recipes                   two bf16-mixed steps of every recipes/scale recipe through the
                               command line, on this one device
-    compile                   `torch.compile`d training step against eager, NAG and prenorm
+    compile                   `torch.compile`d training step against eager, NAG and prenorm; NAG
+                              with the write traced by inductor; MoD's FLOP saving kept when compiled
 
 `--dry-run` runs the same code on CPU at tiny sizes (the kernels in Triton's interpreter), so the
 test suite checks that every section runs and the summary has its shape; its numbers mean nothing.
@@ -326,11 +327,25 @@ def compile_model(model):
 compile_model.dry_run = False
 
 
+# What the compile section compiles, in order, while its time lasts: (residual, kernel, router,
+# router options). "nag traced write" runs the write as plain operations that inductor generates
+# its own Triton code for (`kernel: torch`), to weigh against the hand-written kernel's opaque op.
+COMPILED = {"nag": ("nag", "auto", "none", {}), "prenorm": ("prenorm", "auto", "none", {}),
+            "nag traced write": ("nag", "torch", "none", {}),
+            "topk 25%": ("nag", "auto", "topk", {"capacity": 0.75}),
+            "threshold 25%": ("nag", "auto", "threshold", {"target_rate": 0.25, "warmup_steps": 0})}
+SETTLED_STEP = 4  # dynamo must compile no graph after this many steps of each model
+
+
 def compile_section(check: Check) -> dict:
-    """Compiled against eager training steps of NAG, then prenorm if the first compile left time
-    for a second; the first (compiling) step is timed on its own."""
+    """Compiled training steps: NAG and prenorm (each also eager), NAG with its write traced by
+    the compiler, and top-k and threshold MoD at 25% against compiled unrouted NAG (the share of
+    the FLOP saving shown as time), while the section's time lasts; the first (compiling) step
+    is timed on its own, and graphs compiled after step SETTLED_STEP are counted."""
     import bench_residual_step as brs
     import torch
+
+    from nag_lightning.model.flops import count_model
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -338,30 +353,61 @@ def compile_section(check: Check) -> dict:
     args = check.step_args()
     batch = torch.randint(0, 256, (check.sizes["batch"], check.sizes["seq_len"] + 1), device=check.device)
     runs, first_step_s = {}, {}
-    for name in ("nag", "prenorm"):
+    for name, (residual, kernel, router, options) in COMPILED.items():
+        if check.dry_run and name == "threshold 25%":
+            break  # dynamo traces its many graphs for a minute of CPU; top-k checks the same code
         if runs and check.left() < 1.5 * first_step_s["nag compiled"]:
             check.notes.append(f"{name} not compiled: its compile would not fit in the section's time")
             break
-        model, optimizer = brs.build(name, args)
+        variant = argparse.Namespace(**{**vars(args), "kernel": kernel})
+        model, optimizer = brs.build(residual, variant, router=router, router_options=options)
         runs[f"{name} compiled"] = (compile_model(model), optimizer)
-        runs[f"{name} eager"] = brs.build(name, args)
+        if name in ("nag", "prenorm"):
+            runs[f"{name} eager"] = brs.build(name, args)
         for run in (f"{name} compiled", f"{name} eager"):
-            check.sync()
-            start = time.perf_counter()
-            brs.step(*runs[run], batch, args)
-            check.sync()
-            first_step_s[run] = time.perf_counter() - start
-    table = ratios(time_steps(check, runs), None, "nag eager")
+            if run in runs:
+                check.sync()
+                start = time.perf_counter()
+                brs.step(*runs[run], batch, args)
+                check.sync()
+                first_step_s[run] = time.perf_counter() - start
+    flops: dict[str, list[float]] = {name: [] for name in runs}
+    graphs_after = {}  # step -> graphs compiled once every model had run that many steps
+
+    def count(name, model):
+        flops[name].append(3 * count_model(model, check.sizes["seq_len"]).forward)
+        if name == next(reversed(runs)):
+            steps = check.sizes["warmup"] + len(flops[name])
+            graphs_after[steps] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    table = ratios(time_steps(check, runs, after_step=count), None, "nag eager")
+    # the dry run times fewer steps than SETTLED_STEP: it counts after the last step it reached
+    settled = max((n for n in graphs_after if n <= SETTLED_STEP), default=min(graphs_after))
+    late = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_after.get(settled, 0)
     for name, row in table.items():
         row["first_step_s"] = first_step_s[name]
+    shares = {}
+    base = table["nag compiled"]
+    for name in ("topk 25%", "threshold 25%"):
+        if f"{name} compiled" in table:
+            row = table[f"{name} compiled"]
+            saved_flops = 1 - statistics.median(flops[f"{name} compiled"]) / statistics.median(
+                flops["nag compiled"])
+            saved_time = 1 - row["median_step_ms"] / base["median_step_ms"]
+            shares[name] = row["time_saved_over_flops_saved"] = saved_time / saved_flops
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     ratio = {n: table[f"{n} compiled"]["median_step_ms"] / table[f"{n} eager"]["median_step_ms"]
              for n in ("nag", "prenorm") if f"{n} compiled" in table}
-    return {"results": {"steps": table, "graph_breaks": breaks,
+    over_prenorm = {n: table[f"{n} compiled"]["median_step_ms"] / table["prenorm compiled"]["median_step_ms"]
+                    for n in ("nag", "nag traced write")
+                    if "prenorm compiled" in table and f"{n} compiled" in table}
+    summary = ("compiled / eager: " + ", ".join(f"{n} {r:.2f}" for n, r in ratio.items())
+               + "".join(f"; {n} / prenorm compiled {r:.3f}" for n, r in over_prenorm.items())
+               + "".join(f"; {n} compiled keeps {s:.0%} of its FLOP saving" for n, s in shares.items())
+               + f"; {breaks} graph breaks, {late} graphs compiled after step {settled}")
+    return {"results": {"steps": table, "graph_breaks": breaks, "graphs_compiled_after_step": {settled: late},
                         "graph_break_reasons": dict(torch._dynamo.utils.counters["graph_break"])},
-            "goal_met": None,
-            "summary": "compiled / eager: " + ", ".join(f"{n} {r:.2f}" for n, r in ratio.items())
-                       + f"; {breaks} graph breaks"}
+            "goal_met": None, "summary": summary}
 
 
 def recipes(check: Check) -> dict:

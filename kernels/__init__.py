@@ -30,7 +30,7 @@ try:
 except ImportError:  # no triton on this machine: the reference still works
     _triton_ops = None
 
-from .ops import nag_write_backward_op, nag_write_op  # noqa: E402  (after the submodule, see above)
+from .ops import TracedNagWrite, nag_write_backward_op, nag_write_op  # noqa: E402  (after the submodule, see above)
 
 
 def _as_scalar(x: torch.Tensor | float, like: torch.Tensor, name: str) -> torch.Tensor:
@@ -119,6 +119,13 @@ def nag_write(
         backend = "triton" if use_triton else "torch"
     if backend == "triton" and _triton_ops is None:
         raise ImportError("backend='triton' needs the triton package, which is not installed.")
+    if backend == "torch":
+        # ordinary tensor operations that torch.compile fuses with the sublayer's neighbouring
+        # kernels, where the operator would be one opaque node (ops.py)
+        u_new, rho_new, theta, h_next = TracedNagWrite.apply(
+            u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound, angle
+        )
+        return u_new, rho_new, theta, None if gamma_next is None else h_next
     u_new, rho_new, theta, h_next, _ = nag_write_op(
         u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound, backend == "triton", angle
     )

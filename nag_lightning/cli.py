@@ -221,6 +221,12 @@ class NagCLI:
         if not ckpt_path or ckpt_path in CHECKPOINT_ALIASES:
             return
         checkpoint = self.read_ckpt_path(ckpt_path)
+        if subcommand == "fit" and checkpoint.exported:
+            raise ValueError(
+                f"{ckpt_path} is a folder of `nag-lightning export`, which holds weights but no "
+                f"training state to resume; start a new run from its weights with "
+                f"--model.init_weights {ckpt_path} instead of --ckpt_path."
+            )
         model_config = config.model.as_dict()
         checkpoint.check_plugins(config.get("trust_checkpoint"), model_config)
         saved = copy.deepcopy(checkpoint.settings)
@@ -474,6 +480,10 @@ COMMANDS: dict[str, Command] = {
                      "accuracy against executed compute of a checkpoint's routing, CSV and PNG"),
     "generate": Command("nag_lightning.analysis.generate:generate_command",
                         "continue a prompt from a checkpoint, routing causally"),
+    "export": Command("nag_lightning.checkpoints.export:export_command",
+                      "a checkpoint's model as safetensors, config.json and tokenizer.json"),
+    "eval": Command("nag_lightning.analysis.lm_eval_command:eval_command",
+                    "lm-evaluation-harness tasks on a checkpoint (pip install 'nag-lightning[eval]')"),
     "study": Command({
         "depth": "nag_lightning.analysis.depth_study:depth_study",
         "isoflop": "nag_lightning.analysis.isoflop_study:isoflop_study",

@@ -177,7 +177,7 @@ def generate(
     """Continue prompts with a trained model and report the sublayers executed per token.
 
     Args:
-        ckpt_path: a .ckpt file written by `nag-lightning fit`.
+        ckpt_path: a .ckpt file written by `nag-lightning fit`, or a folder of `nag-lightning export`.
         prompt: text to continue, or a list of texts continued as one batch (then a list of
             results); its bytes (`os.fsencode`) are encoded with the checkpoint's tokenizer.
         max_new_tokens: most tokens to generate per prompt (bytes, for a byte-level model), at

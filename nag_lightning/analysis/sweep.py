@@ -171,7 +171,7 @@ def sweep(
     """Sweep a checkpoint's routing and write sweep.csv and sweep.png into `out_dir`.
 
     Args:
-        ckpt_path: a .ckpt file written by `nag-lightning fit`.
+        ckpt_path: a .ckpt file written by `nag-lightning fit`, or a folder of `nag-lightning export`.
         out_dir: folder for sweep.csv and sweep.png; None: `sweep-<checkpoint name>` in the run's
             version folder (next to its checkpoints/ folder), or in the current directory for a
             checkpoint given by URL.

@@ -16,6 +16,9 @@ the loop counters non-negative integers, and the tokenizer must fit the model's 
 (`nag_lightning.data.tokenizer.load_saved`). Paths in callback state are checked by the callbacks that
 use them (`nag_lightning.callbacks.run_checkpoint`).
 
+A folder written by `nag-lightning export` (`export`, beside this module) is read here too, from JSON
+and safetensors, into the same dict: every command that takes a checkpoint takes such a folder.
+
 Commands that only run the model (`generate`) build it here without Lightning: importing Lightning
 takes seconds, which a command that starts, writes a line and ends should not pay.
 """
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 from nag_lightning.checkpoints.compat import upgrade_checkpoint
+from nag_lightning.checkpoints.export import is_exported, read_exported
 from nag_lightning.checkpoints.settings import saved_architecture, saved_model_settings
 from nag_lightning.checkpoints.trust import check_plugins, read_checkpoint
 from nag_lightning.data.tokenizer import Tokenizer, load_saved
@@ -47,6 +51,7 @@ class SavedCheckpoint:
 
     source: str
     raw: dict
+    exported: bool = False  # a folder of `nag-lightning export`: weights, but no training state
 
     @property
     def hyper_parameters(self) -> dict:
@@ -117,12 +122,14 @@ def refuse_full_unpickle(weights_only: bool | None, advice: str) -> None:
 
 
 def read_saved(path: str | Path) -> SavedCheckpoint:
-    """The checkpoint at `path` (a local file or a URL), read once and checked as plain data; one
-    sentence (ValueError, FileNotFoundError) when it is not a checkpoint of `nag-lightning fit`."""
+    """The checkpoint at `path` (a local file, a URL, or a folder of `nag-lightning export`), read
+    once and checked as plain data; one sentence (ValueError, FileNotFoundError) when it is not a
+    checkpoint of `nag-lightning fit` or an export of one."""
     source = str(path)
-    raw = read_checkpoint(source)
+    exported = is_exported(source)
+    raw = read_exported(source) if exported else read_checkpoint(source)
     check_contents(raw, source)
-    return SavedCheckpoint(source, upgrade_checkpoint(raw))
+    return SavedCheckpoint(source, upgrade_checkpoint(raw), exported)
 
 
 def damaged_last(path: str | Path) -> ValueError:
@@ -196,12 +203,17 @@ def _loop_problems(state: object, where: str) -> list[str]:
 
 def check_weights(expected: Mapping[str, Any], given: Mapping[str, Any], source: str = "") -> None:
     """One sentence if a weight of `given` (a checkpoint's) has another shape than the model its
-    settings describe (`expected`, its state dict)."""
+    settings describe (`expected`, its state dict), or integers where it holds floating point
+    numbers or the reverse (loading would cast them silently)."""
     for name, value in given.items():
         want = expected.get(name)
-        if torch.is_tensor(want) and torch.is_tensor(value) and value.shape != want.shape:
+        if not (torch.is_tensor(want) and torch.is_tensor(value)):
+            continue
+        if value.shape != want.shape:
             detail = f"{name} is {list(value.shape)}, the model's {list(want.shape)}"
             raise _weights_do_not_fit(source, detail)
+        if value.is_floating_point() != want.is_floating_point():
+            raise _weights_do_not_fit(source, f"{name} is {value.dtype}, the model's {want.dtype}")
 
 
 @contextmanager

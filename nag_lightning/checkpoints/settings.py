@@ -17,7 +17,10 @@ from nag_lightning.model import RESUMABLE_CHANGES
 
 def saved_model_settings(saved: Mapping[str, Any]) -> dict[str, Any]:
     """`saved` (a checkpoint's or an hparams.yaml's hyperparameters) in the current layout."""
-    return current_layout(saved)
+    settings = current_layout(saved)
+    # `init_weights` names a file to read: only the user's own config may, never a saved setting
+    settings.pop("init_weights", None)
+    return settings
 
 
 def saved_architecture(saved: Mapping[str, Any]) -> dict[str, Any]:

@@ -222,13 +222,13 @@ def generate_cached(
     prompts: list[list[int]],
     max_new_tokens: int,
     sampling: Sampling | None = None,
-    stop: bytes | None = None,
+    stop: bytes | list[bytes] | None = None,
     on_token: Callable[[int, int], None] | None = None,
     decode: Callable[[list[int]], bytes] = bytes,
 ) -> tuple[list[Continuation], dict[str, int]]:
     """Continue each prompt (token ids: byte values for a byte-level model) by up to
     `max_new_tokens` tokens, or until its continuation, turned into bytes by `decode`, ends with
-    `stop`; `on_token(i, token)` is called as each token of prompt i arrives.
+    `stop` (or any of a list of stops); `on_token(i, token)` is called as each token of prompt i arrives.
     The model is switched to eval mode and back. Returns the continuations and the KV cache's
     bytes at the end (see `CachedDecoder.cache_bytes`)."""
     sampling = sampling or Sampling()
@@ -236,7 +236,8 @@ def generate_cached(
         raise ValueError("A prompt is empty; give at least one character to continue.")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be 0 or more; got {max_new_tokens}.")
-    if stop is not None and not stop:
+    stops = [stop] if isinstance(stop, bytes) else list(stop or [])
+    if not all(stops):
         raise ValueError("The stop string is empty; give at least one character, or none.")
     seq_len = model.cfg.seq_len
     keep = max(1, seq_len // 2)  # context kept when a window is rebuilt
@@ -264,7 +265,7 @@ def generate_cached(
                 if on_token is not None:
                     on_token(b, token)
                 # every token stands for at least one byte, so the last len(stop) tokens hold it
-                out.stopped = stop is not None and decode(out.tokens[-len(stop):]).endswith(stop)
+                out.stopped = any(decode(out.tokens[-len(s):]).endswith(s) for s in stops)
                 if out.stopped or len(out.tokens) == max_new_tokens:
                     active.remove(b)
                 elif decoder.length[b] < seq_len:

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from nag_lightning.checkpoints.settings import check_architecture
+from nag_lightning.checkpoints.settings import architecture_differences, check_architecture
 from nag_lightning.data import tokenizer as tokenizers
 from nag_lightning.data.tokenizer import Tokenizer
 from nag_lightning.model import Transformer, TransformerConfig
@@ -72,6 +72,9 @@ class LanguageModel(L.LightningModule):
             in the training loss.
         compile: compile the model with torch.compile when the Trainer sets it up
             (`nag_lightning.model.compile`); the state dict and checkpoints are unchanged.
+        init_weights: start from the weights of a folder written by `nag-lightning export` (or of
+            a .ckpt file): they must fit `arch`, and their tokenizer must be the data's; training
+            starts at step 0 with a new optimizer. Not saved in checkpoints (the weights are).
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class LanguageModel(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         aux_loss_weight: float = 1.0,
         compile: bool = False,
+        init_weights: str | None = None,
     ) -> None:
         super().__init__()
         # A copy (the default is shared); a checkpoint's hyperparameters hold the config as a dict.
@@ -93,7 +97,7 @@ class LanguageModel(L.LightningModule):
         # save_hyperparameters reads this frame's arguments: the config goes in as plain data, so
         # checkpoints load with weights_only=True
         arch = asdict(self.config)
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["init_weights"])
         if lr <= 0 or warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
             raise ValueError(
                 "Need lr > 0, warmup_steps >= 0 and min_lr_ratio in [0, 1]; got "
@@ -115,6 +119,29 @@ class LanguageModel(L.LightningModule):
         self._tokenizer_from_data = False
         self.register_buffer("token_bytes", None, persistent=False)  # None: one byte per token
         self.budget: RunBudget | None = None  # set by `follow_budget`
+        self._init_tokenizer: Tokenizer | None = None
+        if init_weights is not None:
+            self._start_from(init_weights)
+
+    def _start_from(self, path: str) -> None:
+        """Take the weights and the tokenizer of `path` (`init_weights`), read once through the
+        checkpoint reader; the architecture is this module's own, so nothing the file names is
+        built."""
+        from nag_lightning.checkpoints.reader import fitting_weights, read_saved
+
+        saved = read_saved(path)
+        differences = architecture_differences(saved.arch, asdict(self.config))
+        if differences:
+            raise ValueError(
+                f"model.init_weights={path!r} holds weights of another architecture: "
+                f"{', '.join(differences)}; set model.arch as its config.json (or its run's "
+                "config.yaml) says."
+            )
+        weights = saved.model_weights
+        with fitting_weights(self.model.state_dict(), weights, saved.source):
+            self.model.load_state_dict(weights)
+        self._init_tokenizer, self._init_source = saved.tokenizer, saved.source
+        self.set_tokenizer(saved.tokenizer)
 
     def configure_model(self) -> None:
         """Shard the model under Lightning's ModelParallelStrategy (FSDP2, one unit per block,
@@ -131,6 +158,14 @@ class LanguageModel(L.LightningModule):
         """Take the data's tokenizer; refuse a vocabulary smaller than its token ids, before an
         embedding lookup fails on the first batch."""
         tokenizer = getattr(self.trainer.datamodule, "tokenizer", None)
+        initial = self._init_tokenizer
+        if isinstance(tokenizer, Tokenizer) and initial is not None and initial != tokenizer:
+            wanted = ("bytes" if initial.key == tokenizers.BYTES else
+                      f"the tokenizer.json of {self._init_source} (`nag-lightning export` writes it)")
+            raise ValueError(
+                f"model.init_weights was trained on tokens of {initial.describe()}, but this run's "
+                f"data uses {tokenizer.describe()}; give data.tokenizer={wanted}."
+            )
         if isinstance(tokenizer, Tokenizer):
             self.set_tokenizer(tokenizer)
             self._tokenizer_from_data = True

@@ -1,0 +1,149 @@
+"""CPU training-step speed, eager and under torch.compile, in one run: NAG over pre-norm at two
+sizes, and how much of Mixture-of-Depths' FLOP saving shows up as step time.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_speed.py               # every section, a few minutes
+    OMP_NUM_THREADS=1 python benchmarks/bench_speed.py --sections mod --repeats 5
+
+Sections (each runs its variants alternated step by step in this one process, so drifts of the
+machine's load hit all alike, and reports medians; one thread, `torch.set_num_threads(1)`):
+
+    small   NAG and pre-norm, eager, d_model 128, 2 blocks, 4 heads
+    large   NAG and pre-norm, eager and compiled (inductor), d_model 256, 8 blocks, 8 heads
+    mod     NAG unrouted, top-k (capacity 0.75) and threshold (target 25%) on every sublayer, eager
+            and compiled: the FLOPs saved (`nag_lightning.model.flops.count_model`, training = 3 x
+            forward), the time saved, their ratio, and the graphs dynamo compiled after step 4
+
+A training step is forward, backward and AdamW (`bench_residual_step.step`), sequence 256, batch 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from bench_residual_step import build, step
+
+from nag_lightning.model.compile import compile_model
+from nag_lightning.model.flops import count_model
+
+SIZES = {"small": dict(d_model=128, n_layers=2, n_heads=4), "large": dict(d_model=256, n_layers=8, n_heads=8)}
+ROUTERS = {"unrouted": ("none", {}), "topk 0.75": ("topk", {"capacity": 0.75}),
+           "threshold 25%": ("threshold", {"target_rate": 0.25, "warmup_steps": 0})}
+SETTLED_STEP = 4  # no graph may be compiled after this many steps of each model
+
+
+def step_args(args: argparse.Namespace, size: str) -> argparse.Namespace:
+    """Arguments in the shape `bench_residual_step.build/step` read."""
+    return argparse.Namespace(device="cpu", seq_len=args.seq_len, kernel="auto", nag_options="{}",
+                              precision="32", **SIZES[size])
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process so far (first compilations and recompilations)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def alternate(runs: dict, args: argparse.Namespace, size: str, after_step=None) -> dict[str, list[float]]:
+    """Seconds per step of every (model, optimizer) in `runs`, one step of each in turn; the first
+    `args.warmup` rounds (compilation included) untimed. `after_step(name, model, round)` runs
+    after each step, outside the timing."""
+    settings = step_args(args, size)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (args.batch, args.seq_len + 1), generator=gen) for _ in range(4)]
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(args.warmup + args.repeats):
+        for name, (model, optimizer) in runs.items():
+            start = time.perf_counter()
+            step(model, optimizer, batches[i % len(batches)], settings)
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+            if after_step is not None:
+                after_step(name, model, i)
+    return times
+
+
+def residual_runs(args: argparse.Namespace, size: str, compiled: bool) -> dict:
+    runs = {}
+    for residual in ("prenorm", "nag"):
+        runs[f"{residual} eager"] = build(residual, step_args(args, size))
+        if compiled:
+            model, optimizer = build(residual, step_args(args, size))
+            runs[f"{residual} compiled"] = (compile_model(model), optimizer)
+    return runs
+
+
+def residual_section(args: argparse.Namespace, size: str, compiled: bool) -> None:
+    times = alternate(residual_runs(args, size, compiled), args, size)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    s = SIZES[size]
+    print(f"\n{size}: d_model {s['d_model']}, {s['n_layers']} blocks, {s['n_heads']} heads; median of "
+          f"{args.repeats} steps after {args.warmup}\n")
+    print("| mode | pre-norm step (ms) | NAG step (ms) | NAG / pre-norm |")
+    print("|---|---|---|---|")
+    for mode in ("eager", "compiled"):
+        if f"nag {mode}" in median:
+            pre, nag = median[f"prenorm {mode}"], median[f"nag {mode}"]
+            print(f"| {mode} | {1000 * pre:.1f} | {1000 * nag:.1f} | {nag / pre:.3f} |")
+
+
+def mod_section(args: argparse.Namespace) -> None:
+    settings = step_args(args, "large")
+    runs = {}
+    for mode in ("eager", "compiled"):
+        for name, (router, options) in ROUTERS.items():
+            model, optimizer = build("nag", settings, router=router, router_options=options)
+            runs[f"{name} {mode}"] = (compile_model(model) if mode == "compiled" else model, optimizer)
+    flops: dict[str, list[float]] = {name: [] for name in runs}
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    graphs = {}
+
+    def count(name, model, i):
+        if i == SETTLED_STEP - 1 and name == next(reversed(runs)):
+            graphs["settled"] = graphs_compiled()  # every model has run SETTLED_STEP steps
+        if i >= args.warmup:
+            counted = count_model(model, args.seq_len)
+            flops[name].append(3 * counted.forward)
+            rates[name].append(counted.mod_rate)
+
+    times = alternate(runs, args, "large", count)
+    late = graphs_compiled() - graphs.get("settled", 0)
+    print(f"\nmod: NAG, d_model 256, 8 blocks, 8 heads, every sublayer routed; median of {args.repeats} "
+          f"steps after {args.warmup}; graphs compiled after step {SETTLED_STEP}: {late} "
+          f"(of {graphs_compiled()} in all)\n")
+    print("| mode | configuration | MoD rate | training GFLOP/step | step (ms) | FLOPs saved | time saved "
+          "| time saved / FLOPs saved |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode in ("eager", "compiled"):
+        t0, f0 = (statistics.median(x[f"unrouted {mode}"]) for x in (times, flops))
+        for name in ROUTERS:
+            t, f = (statistics.median(x[f"{name} {mode}"]) for x in (times, flops))
+            saved_t, saved_f = 1 - t / t0, 1 - f / f0
+            share = f"{saved_t / saved_f:.0%}" if saved_f > 0 else "-"
+            print(f"| {mode} | {name} | {statistics.mean(rates[f'{name} {mode}']):.1%} | {f / 1e9:.1f} | "
+                  f"{1000 * t:.0f} | {saved_f:.1%} | {saved_t:.1%} | {share} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", nargs="+", choices=("small", "large", "mod"),
+                        default=["small", "large", "mod"])
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=8, help="timed steps of each variant")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed steps of each variant (compiles)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread; sequence {args.seq_len}, "
+          f"batch {args.batch}")
+    if "small" in args.sections:
+        residual_section(args, "small", compiled=False)
+    if "large" in args.sections:
+        residual_section(args, "large", compiled=True)
+    if "mod" in args.sections:
+        mod_section(args)
+
+
+if __name__ == "__main__":
+    main()
