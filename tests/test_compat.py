@@ -57,7 +57,10 @@ def test_a_moved_module_imports_as_the_module_that_replaced_it(old):
 
 
 def test_an_old_module_path_imports_in_a_fresh_interpreter():
-    script = ("import nag_lightning.module, nag_lightning.tokenizer\n"
+    """The package installs the alias without importing torch (so `--help` stays fast)."""
+    script = ("import sys, nag_lightning\n"
+              "assert 'torch' not in sys.modules, 'import nag_lightning imported torch'\n"
+              "import nag_lightning.module, nag_lightning.tokenizer\n"
               "from nag_lightning.checkpoint import read_saved\n"
               "print(nag_lightning.module.NAGLanguageModel.__module__, read_saved.__module__)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
