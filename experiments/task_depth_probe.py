@@ -8,7 +8,8 @@ settings under `--out`, so a list of runs resumes where it stopped:
     OMP_NUM_THREADS=1 python experiments/task_depth_probe.py --task state \
         --task_options '{"group": "S3", "max_len": 8}' --residuals prenorm nag --depths 2 8 --seeds 1 2
 
-With `--router` every sublayer is routed (e.g. `--router threshold --router_options
+`--residual_options` sets the residual strategy's options (e.g. NAG's `theta_max`). With `--router`
+every sublayer is routed (e.g. `--router threshold --router_options
 '{"predictor": "angle", "target_rate": 0.25}'`), and with `--iso_flop` a routed run trains until it has
 spent the training FLOPs (the package's exact count, `TransformerFlopCounter`) that the full-depth
 model spends in `--steps` steps; its learning-rate schedule then spans the steps that budget buys,
@@ -77,7 +78,8 @@ def train(args: argparse.Namespace, residual: str, depth: int, seed: int) -> dic
     torch.manual_seed(seed)
     task = build_task(args.task, **json.loads(args.task_options))
     config = TransformerConfig(vocab_size=256, d_model=args.d_model, n_layers=depth, n_heads=args.n_heads,
-                               seq_len=args.seq_len, residual=residual, router=args.router,
+                               seq_len=args.seq_len, residual=residual,
+                               residual_options=json.loads(args.residual_options), router=args.router,
                                router_options=json.loads(args.router_options))
     model = Transformer(config)
     counter = TransformerFlopCounter(model)
@@ -107,7 +109,8 @@ def train(args: argparse.Namespace, residual: str, depth: int, seed: int) -> dic
                   f"{time.time() - start:.0f}s acc {history[-1]['acc']}", flush=True)
     seconds = time.time() - start
     return {"task": task.describe(), "residual": residual, "depth": depth, "seed": seed,
-            "lr": args.lr[residual], "steps": step, "seconds": seconds, "router": args.router,
+            "lr": args.lr[residual], "steps": step, "seconds": seconds,
+            "residual_options": json.loads(args.residual_options), "router": args.router,
             "router_options": json.loads(args.router_options), "iso_flop": args.iso_flop,
             "training_flops": spent,
             "full_depth_training_flops": budget,
@@ -149,6 +152,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="learning rate of residuals not in --lrs")
     parser.add_argument("--weight_decay", type=float, default=0.1)
     parser.add_argument("--eval_every", type=int, default=250)
+    parser.add_argument("--residual_options", default="{}", help="JSON options of every residual")
     parser.add_argument("--router", default="none", help="router of every sublayer")
     parser.add_argument("--router_options", default="{}", help="JSON options of the router")
     parser.add_argument("--iso_flop", action="store_true",
@@ -166,7 +170,8 @@ def main() -> None:
     for seed in args.seeds:
         for depth in args.depths:
             for residual in args.residuals:
-                routing = "" if args.router == "none" else f"-{args.router}{args.router_options}"
+                routing = "" if args.residual_options == "{}" else f"-{args.residual_options}"
+                routing += "" if args.router == "none" else f"-{args.router}{args.router_options}"
                 routing += "-isoflop" if args.iso_flop else ""
                 name = (f"{args.task}-{args.task_options}-{residual}-L{depth}-d{args.d_model}-T{args.seq_len}"
                         f"-b{args.batch_size}-n{args.steps}-lr{args.lr[residual]}{routing}-s{seed}")
@@ -199,11 +204,13 @@ def table(out: Path) -> str:
 
 
 def routing(run: dict) -> str:
-    """The run's router and options in a table cell ("none" without one)."""
-    if run.get("router", "none") == "none":
-        return "none"
-    options = ", ".join(f"{k} {v}" for k, v in run["router_options"].items())
-    return f"{run['router']} ({options})" + (" iso-FLOP" if run.get("iso_flop") else "")
+    """The run's residual options, router and router options in a table cell ("none": defaults,
+    no router)."""
+    cells = [", ".join(f"{k} {v}" for k, v in run.get("residual_options", {}).items())]
+    if run.get("router", "none") != "none":
+        options = ", ".join(f"{k} {v}" for k, v in run["router_options"].items())
+        cells.append(f"{run['router']} ({options})" + (" iso-FLOP" if run.get("iso_flop") else ""))
+    return "; ".join(c for c in cells if c) or "none"
 
 
 if __name__ == "__main__":
