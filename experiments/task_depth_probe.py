@@ -41,7 +41,7 @@ EVAL_SEED = 10_000
 
 
 def optimizer(model: Transformer, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW as `NAGLanguageModel.configure_optimizers` builds it: matrices decay, the rest not."""
+    """AdamW as `LanguageModel.configure_optimizers` builds it: matrices decay, the rest not."""
     decays = lambda name, p: p.ndim == 2 and not name.startswith(("embed", "strategy"))
     params = list(model.named_parameters())
     return torch.optim.AdamW(

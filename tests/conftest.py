@@ -5,8 +5,21 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+WORDS = "def class return self import for in if else print value index".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, request) -> Path:
+    """A small text corpus of repeated keywords, one per test module that asks for it (a module
+    may define its own `corpus`)."""
+    path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]) / "corpus.txt"
+    path.write_text(" ".join(WORDS[i * 5 % len(WORDS)] for i in range(4000)))
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from nag_lightning.cli import main
+
+DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
+
+
+def fit_args(text: Path, *extra: str) -> list[str]:
+    """`fit` of the debug recipe on the corpus `text` for 3 steps, its cache beside it."""
+    return ["fit", "--config", DEBUG, f"--data.source={text}", f"--data.cache_dir={text.parent / 'cache'}",
+            "--trainer.enable_progress_bar=false", "--trainer.max_steps=3", *extra]
 
 
 def run_command(args: list[str], capsys) -> tuple[int, str, str]:

@@ -13,19 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_cli
-
-DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
-WORDS = "def class return self import for in if else print value index".split()
+from tests.helpers import DEBUG, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("bad_input") / "corpus.txt"
-    path.write_text(" ".join(WORDS[i * 5 % len(WORDS)] for i in range(4000)))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -15,25 +15,12 @@ import torch
 from nag_lightning.analysis.sweepable import sweep_of
 from nag_lightning.cli import main
 from nag_lightning.routers.topk import TopKRouter
-from tests.helpers import run_cli, run_command
-from tests.test_bad_input import WORDS, one_sentence
+from tests.helpers import DEBUG, fit_args, run_cli, run_command
+from tests.test_bad_input import one_sentence
 
-DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("bad_options") / "corpus.txt"
-    path.write_text(" ".join(WORDS[i * 5 % len(WORDS)] for i in range(4000)))
-    return path
-
-
-def fit(text: Path, *extra: str) -> list[str]:
-    return ["fit", "--config", DEBUG, f"--data.source={text}", f"--data.cache_dir={text.parent / 'cache'}",
-            "--trainer.enable_progress_bar=false", "--trainer.max_steps=3", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +28,7 @@ def checkpoint(corpus, tmp_path_factory) -> Path:
     """A debug model trained for 3 steps."""
     root = tmp_path_factory.mktemp("bad_options_run")
     with contextlib.chdir(root):
-        main(fit(corpus))
+        main(fit_args(corpus))
     return root / "runs" / "debug" / "version_0" / "checkpoints" / "last.ckpt"
 
 
@@ -49,7 +36,7 @@ def checkpoint(corpus, tmp_path_factory) -> Path:
                          ids=["empty", "empty_list", "empty_item", "blank_item"])
 def test_an_empty_data_source_is_refused(source, corpus, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(corpus.parent)  # where an empty path would read every file
-    sentence = one_sentence(*run_cli(fit(corpus, f"--data.source={source}"), capsys))
+    sentence = one_sentence(*run_cli(fit_args(corpus, f"--data.source={source}"), capsys))
     assert "names no text; give a file, folder, glob or URI" in sentence
     sentence = one_sentence(*run_cli(["prepare", f"--source={source}", f"--cache_dir={tmp_path}"], capsys))
     assert "--source=" in sentence and "names no text" in sentence
@@ -78,7 +65,7 @@ def test_an_empty_data_source_is_refused(source, corpus, tmp_path, capsys, monke
 )
 def test_bad_trainer_and_data_settings(extra, message, corpus, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    sentence = one_sentence(*run_cli(fit(corpus, *extra), capsys))
+    sentence = one_sentence(*run_cli(fit_args(corpus, *extra), capsys))
     assert re.search(message, sentence), sentence
     assert not (tmp_path / "runs").exists()
 
@@ -87,7 +74,7 @@ def test_bad_trainer_and_data_settings(extra, message, corpus, tmp_path, capsys,
 @pytest.mark.parametrize("accelerator", ["gpu", "cuda"])
 def test_a_gpu_accelerator_without_a_gpu(accelerator, corpus, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    sentence = one_sentence(*run_cli(fit(corpus, f"--trainer.accelerator={accelerator}"), capsys))
+    sentence = one_sentence(*run_cli(fit_args(corpus, f"--trainer.accelerator={accelerator}"), capsys))
     assert f"trainer.accelerator={accelerator} needs a GPU, and torch finds none" in sentence
 
 
@@ -112,7 +99,7 @@ def test_router_rates_train_or_are_refused(router, option, value, accepted, corp
     options = f"{{{option}: {value}" + (", target_rate: 0.25" if option != "target_rate" and router ==
                                         "threshold" else "") + (", warmup_steps: 0" if router == "threshold"
                                                                 else "") + "}"
-    status, err = run_cli(fit(corpus, f"--model.arch.router={router}",
+    status, err = run_cli(fit_args(corpus, f"--model.arch.router={router}",
                               f"--model.arch.router_options={options}", "--trainer.limit_val_batches=1"),
                           capsys)
     if accepted:

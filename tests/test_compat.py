@@ -14,7 +14,7 @@ import torch
 
 from nag_lightning.checkpoints.compat import MOVED_MODULES, upgrade_checkpoint
 from tests.helpers import run_command
-from tests.test_saved_settings import data_args, debug_checkpoint, flat_layout, sweeps_and_generates
+from tests.test_checkpoint_settings import data_args, debug_checkpoint, flat_layout, sweeps_and_generates
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
 

@@ -10,24 +10,10 @@ import lightning as L
 import pytest
 
 from nag_lightning.training.runs import lock_run
-from tests.helpers import run_cli
-from tests.test_bad_input import WORDS, one_sentence
-
-DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
+from tests.helpers import fit_args, run_cli
+from tests.test_bad_input import one_sentence
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("run_lock") / "corpus.txt"
-    path.write_text(" ".join(WORDS[i * 5 % len(WORDS)] for i in range(4000)))
-    return path
-
-
-def fit(text: Path, *extra: str) -> list[str]:
-    return ["fit", "--config", DEBUG, f"--data.source={text}", f"--data.cache_dir={text.parent / 'cache'}",
-            "--trainer.enable_progress_bar=false", "--trainer.max_steps=3", *extra]
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -59,7 +45,7 @@ def test_a_run_is_locked_while_it_trains_and_a_second_resume_is_refused(
 ):
     monkeypatch.chdir(tmp_path)
     LockProbe.refused.clear()
-    status, err = run_cli(fit(corpus, "--trainer.callbacks+=tests.test_run_lock.LockProbe"), capsys)
+    status, err = run_cli(fit_args(corpus, "--trainer.callbacks+=tests.test_run_lock.LockProbe"), capsys)
     assert status == 0, err[-2000:]
     assert LockProbe.refused == [True, True, True]  # every step of the run held its folder's lock
     run = tmp_path / "runs" / "debug" / "version_0"
@@ -73,7 +59,8 @@ def test_a_run_is_locked_while_it_trains_and_a_second_resume_is_refused(
     holder.start()
     try:
         assert held.wait(60)
-        sentence = one_sentence(*run_cli(fit(corpus, "--ckpt_path=last", "--trainer.max_steps=6"), capsys))
+        args = fit_args(corpus, "--ckpt_path=last", "--trainer.max_steps=6")
+        sentence = one_sentence(*run_cli(args, capsys))
     finally:
         done.set()
         holder.join(60)
@@ -82,7 +69,7 @@ def test_a_run_is_locked_while_it_trains_and_a_second_resume_is_refused(
     assert [p.name for p in (tmp_path / "runs" / "debug").iterdir()] == ["version_0"]
 
     # once that process has ended, the same command resumes the run
-    status, err = run_cli(fit(corpus, "--ckpt_path=last", "--trainer.max_steps=6"), capsys)
+    status, err = run_cli(fit_args(corpus, "--ckpt_path=last", "--trainer.max_steps=6"), capsys)
     assert status == 0, err[-2000:]
     assert "resuming from" in err
 
@@ -104,7 +91,7 @@ def test_a_run_is_locked_while_it_trains_and_a_second_resume_is_refused(
 )
 def test_a_refused_command_leaves_no_folder(extra, corpus, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = fit(corpus, *extra[1:]) if extra[0] == "validate" else fit(corpus, *extra)
+    args = fit_args(corpus, *extra[1:]) if extra[0] == "validate" else fit_args(corpus, *extra)
     if extra[0] == "validate":
         args = ["validate", *[a for a in args[1:] if not a.startswith("--trainer.max_steps")]]
     one_sentence(*run_cli(args, capsys))
@@ -128,7 +115,7 @@ class FailAtStep(L.Callback):
 
 def test_a_command_that_fails_after_training_began_keeps_its_folder(corpus, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    status, err = run_cli(fit(corpus, "--trainer.callbacks+=tests.test_run_lock.FailAtStep",
+    status, err = run_cli(fit_args(corpus, "--trainer.callbacks+=tests.test_run_lock.FailAtStep",
                               "--trainer.val_check_interval=10"), capsys)
     assert status == 1 and "refused late" in err
     run = tmp_path / "runs" / "debug" / "version_0"

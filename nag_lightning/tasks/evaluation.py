@@ -159,7 +159,7 @@ def task_sequences(task: str, task_options: dict, n: int, length: int, seed: int
 def evaluate_checkpoint(ckpt_path: str, sequences: Labelled, batch_size: int = 32, device: str = "cpu",
                         trust_checkpoint: bool = False) -> DifficultyReport:
     """`evaluate_by_difficulty` of a `nag-lightning fit` checkpoint's model, read as untrusted input
-    (`nag_lightning.checkpoint`)."""
+    (`nag_lightning.checkpoints.reader`)."""
     from nag_lightning.checkpoints.reader import load_transformer
 
     model, _ = load_transformer(ckpt_path, device, trust_checkpoint)
