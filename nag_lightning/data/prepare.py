@@ -9,18 +9,9 @@ import shutil
 import warnings
 from pathlib import Path
 
+from nag_lightning.data import corpus, tokenizing
 from nag_lightning.data import tokenizer as tokenizers
-from nag_lightning.data import tokenizing
 from nag_lightning.data.bpe import corpus_tokenizer, prepared_tokenizer
-from nag_lightning.data.corpus import (
-    META,
-    TOKENIZER,
-    check_fraction,
-    corpus_hash,
-    local_uris,
-    optimized_dir,
-    plan,
-)
 from nag_lightning.data.filesystem import CACHEDIR_SIGNATURE, CACHEDIR_TAG, is_remote, unwritable
 from nag_lightning.data.orphans import owned_name, remove_orphaned
 from nag_lightning.data.tokenizer import Tokenizer
@@ -38,21 +29,21 @@ def prepare_corpus(
 
     A complete cache for the same files and tokenizer is reused as is. Writing goes to a temporary
     folder renamed into place at the end, so an interrupted run never leaves a cache that looks
-    complete. An already optimized `source` (see `optimized_dir`) is returned unchanged (a URI stays
+    complete. An already optimized `source` (see `corpus.optimized_dir`) is returned unchanged (a URI stays
     a string). With `seq_len`, each split must hold at least one sequence of `seq_len + 1` bytes.
     `tokenizer` is "bytes", "bpe:<vocab size>" (trained on the training split, cached under
     `cache_dir/tokenizers/`) or the path of a Hugging Face tokenizer.json.
     """
-    check_fraction(val_fraction)
-    source = local_uris(source)
-    if (ready := optimized_dir(source)) is not None:
+    corpus.check_fraction(val_fraction)
+    source = corpus.local_uris(source)
+    if (ready := corpus.optimized_dir(source)) is not None:
         prepared_tokenizer(ready, tokenizer)  # refuses a tokenizer the folder was not made with
         return ready if is_remote(ready) else Path(ready)
-    files, splits, sizes, max_bytes = plan(source, val_fraction, max_bytes, seq_len)
+    files, splits, sizes, max_bytes = corpus.plan(source, val_fraction, max_bytes, seq_len)
     tok = corpus_tokenizer(tokenizer, files, splits, val_fraction, max_bytes, cache_dir)
     key = None if tok.key == tokenizers.BYTES else f"{tok.key}-{tokenizers.ENCODE_VERSION}"
-    target = Path(cache_dir).expanduser().resolve() / corpus_hash(files, val_fraction, max_bytes, key)
-    if (target / META).is_file():
+    target = Path(cache_dir).expanduser().resolve() / corpus.corpus_hash(files, val_fraction, max_bytes, key)
+    if (target / corpus.META).is_file():
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +58,7 @@ def prepare_corpus(
             tokenizing.in_child(tokenizing.tokenize, splits, tmp)
         else:
             tokenizing.in_child(tokenizing.tokenize_with, tok, splits, tmp)
-            (tmp / TOKENIZER).write_text(tok.json_text, encoding="utf-8")
+            (tmp / corpus.TOKENIZER).write_text(tok.json_text, encoding="utf-8")
         meta = {
             "source": source or "stdlib",
             "files": len(files),
@@ -79,11 +70,11 @@ def prepare_corpus(
         }
         if key is not None:
             meta["coverage"] = _coverage(tmp, tok)
-        (tmp / META).write_text(json.dumps(meta, indent=1))
+        (tmp / corpus.META).write_text(json.dumps(meta, indent=1))
         try:
             tmp.rename(target)
         except OSError:  # another process finished the same cache first: keep theirs
-            if not (target / META).is_file():
+            if not (target / corpus.META).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
