@@ -34,9 +34,9 @@ ROUTERS = {"unrouted": ("none", {}), "topk 0.75": ("topk", {"capacity": 0.75}),
 SETTLED_STEP = 4  # no graph may be compiled after this many steps of each model
 
 
-def step_args(args: argparse.Namespace, size: str) -> argparse.Namespace:
+def step_args(args: argparse.Namespace, size: str, kernel: str = "auto") -> argparse.Namespace:
     """Arguments in the shape `bench_residual_step.build/step` read."""
-    return argparse.Namespace(device="cpu", seq_len=args.seq_len, kernel="auto", nag_options="{}",
+    return argparse.Namespace(device="cpu", seq_len=args.seq_len, kernel=kernel, nag_options="{}",
                               precision="32", **SIZES[size])
 
 
@@ -71,6 +71,8 @@ def residual_runs(args: argparse.Namespace, size: str, compiled: bool) -> dict:
         if compiled:
             model, optimizer = build(residual, step_args(args, size))
             runs[f"{residual} compiled"] = (compile_model(model), optimizer)
+    # NAG's write as the PyTorch reference's separate operations, where eager NAG compiles it
+    runs["nag eager, reference write"] = build("nag", step_args(args, size, kernel="torch"))
     return runs
 
 
@@ -82,9 +84,10 @@ def residual_section(args: argparse.Namespace, size: str, compiled: bool) -> Non
           f"{args.repeats} steps after {args.warmup}\n")
     print("| mode | pre-norm step (ms) | NAG step (ms) | NAG / pre-norm |")
     print("|---|---|---|---|")
-    for mode in ("eager", "compiled"):
+    for mode in ("eager", "eager, reference write", "compiled"):
         if f"nag {mode}" in median:
-            pre, nag = median[f"prenorm {mode}"], median[f"nag {mode}"]
+            pre = median[f"prenorm {mode.split(',')[0]}"]
+            nag = median[f"nag {mode}"]
             print(f"| {mode} | {1000 * pre:.1f} | {1000 * nag:.1f} | {nag / pre:.3f} |")
 
 

@@ -20,9 +20,11 @@ __all__ = [
     "tangent_cutoff",
 ]
 
-BACKENDS = ("auto", "triton", "torch")
-"""auto: the Triton kernel for CUDA tensors of a dtype it takes, else the reference;
-triton: always the kernel (CPU tensors only under TRITON_INTERPRET=1); torch: the reference."""
+BACKENDS = ("auto", "triton", "inductor", "torch")
+"""auto: the Triton kernel for CUDA tensors of a dtype it takes; on CPU, the write compiled by
+inductor for eager writes of at least `compiled.MIN_ELEMENTS` elements in fp32/bf16 (compiled.py),
+else the reference; triton: always the kernel (CPU tensors only under TRITON_INTERPRET=1);
+inductor: always the compiled write (the reference where compiling fails); torch: the reference."""
 
 
 try:
@@ -30,6 +32,7 @@ try:
 except ImportError:  # no triton on this machine: the reference still works
     _triton_ops = None
 
+from . import compiled as _compiled  # noqa: E402
 from .ops import TracedNagWrite, nag_write_backward_op, nag_write_op  # noqa: E402  (after the submodule, see above)
 
 
@@ -116,14 +119,16 @@ def nag_write(
             and f.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and _triton_ops is not None
         )
-        backend = "triton" if use_triton else "torch"
+        backend = "triton" if use_triton else "inductor" if _compiled.usable(u) else "torch"
     if backend == "triton" and _triton_ops is None:
         raise ImportError("backend='triton' needs the triton package, which is not installed.")
-    if backend == "torch":
+    if backend in ("torch", "inductor"):
         # ordinary tensor operations that torch.compile fuses with the sublayer's neighbouring
-        # kernels, where the operator would be one opaque node (ops.py)
+        # kernels, where the operator would be one opaque node (ops.py); in eager mode, the same
+        # formulas compiled on their own (compiled.py)
+        compiled = backend == "inductor" and not torch.compiler.is_compiling()
         u_new, rho_new, theta, h_next = TracedNagWrite.apply(
-            u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound, angle
+            u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound, angle, compiled
         )
         return u_new, rho_new, theta, None if gamma_next is None else h_next
     u_new, rho_new, theta, h_next, _ = nag_write_op(

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import compiled as _compiled
 from .reference import _compute_dtype, nag_write_reference
 from .reference_backward import nag_write_reference_backward
 
@@ -161,17 +162,20 @@ class TracedNagWrite(torch.autograd.Function):
     """The PyTorch path of `nag_write_op` as plain tensor operations for the compiler to trace:
     the reference forward, its per-row numbers saved, and `reference_backward`'s formulas, so
     values and gradients are the operator's and only fusion changes their rounding. Same
-    arguments as `nag_write_op` without `fused`; returns (u_new, rho_new, theta, h_next), h_next
-    empty without gamma_next."""
+    arguments as `nag_write_op` with `compiled` for `fused`: true runs both formulas compiled by
+    inductor (`compiled.py`, eager mode); returns (u_new, rho_new, theta, h_next), h_next empty
+    without gamma_next."""
 
     @staticmethod
-    def forward(ctx, u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, angle):
+    def forward(ctx, u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, angle, compiled=False):
         with torch.autocast(u.device.type, enabled=False):  # the write computes in fp32 itself
-            outs, rows = nag_write_reference(
-                u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, True, angle=angle
-            )
+            args = (u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, True)
+            if compiled:
+                outs, rows = _compiled.call(0, *args, angle=angle)
+            else:
+                outs, rows = nag_write_reference(*args, angle=angle)
         ctx.save_for_backward(u, f, g, alpha, beta, gamma_next, rows, angle)
-        ctx.theta_max, ctx.bound, ctx.rho_dtype = theta_max, bound, rho.dtype
+        ctx.theta_max, ctx.bound, ctx.rho_dtype, ctx.compiled = theta_max, bound, rho.dtype, compiled
         ctx.set_materialize_grads(False)  # rho's gradient stays None where rho' is unused, as the op's
         u_new, rho_new, theta, h_next = outs
         return u_new, rho_new, theta, _absent(u) if h_next is None else h_next
@@ -184,10 +188,13 @@ class TracedNagWrite(torch.autograd.Function):
         grad_theta = torch.zeros_like(u[..., 0]) if grad_theta is None else grad_theta
         if gamma_next is not None and grad_h is None:
             grad_h = torch.zeros_like(u)
+        args = (u, f, g, alpha, beta, ctx.theta_max, gamma_next, ctx.bound,
+                grad_u, grad_rho, grad_theta, None if gamma_next is None else grad_h)
         with torch.autocast(u.device.type, enabled=False):
-            du, df, dg, dalpha, dbeta, dgamma, dangle = nag_write_reference_backward(
-                u, f, g, alpha, beta, ctx.theta_max, gamma_next, ctx.bound,
-                grad_u, grad_rho, grad_theta, None if gamma_next is None else grad_h, rows=rows, angle=angle,
-            )  # fmt: skip
+            if ctx.compiled:
+                grads = _compiled.call(1, *args, rows=rows, angle=angle)
+            else:
+                grads = nag_write_reference_backward(*args, rows=rows, angle=angle)
+        du, df, dg, dalpha, dbeta, dgamma, dangle = grads
         drho = None if grad_rho is None else grad_rho.to(ctx.rho_dtype)
-        return du, df, drho, dg, dalpha, dbeta, None, dgamma, None, dangle
+        return du, df, drho, dg, dalpha, dbeta, None, dgamma, None, dangle, None

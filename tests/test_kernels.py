@@ -529,9 +529,9 @@ def test_kernel_matches_reference_with_given_angle(lead, d, gamma, gate, alpha, 
 
 def test_backend_names():
     x = make_inputs((2,), 4, torch.float32)
-    with pytest.raises(ValueError, match="valid choices: auto, triton, torch"):
+    with pytest.raises(ValueError, match="valid choices: auto, triton, inductor, torch"):
         nag_write(**x, backend="cuda")
-    assert BACKENDS == ("auto", "triton", "torch")
+    assert BACKENDS == ("auto", "triton", "inductor", "torch")
 
 
 def test_auto_uses_reference_on_cpu(monkeypatch):

@@ -70,7 +70,9 @@ class NAGResidual(ResidualStrategy):
             gets no gradient, and with theta_max = 4/N training first stalls at unigram loss.
         bound: how the magnitude angle approaches theta_max: "tanh" (saturates exponentially)
             or "rational" (x / (1 + |x| / theta_max), whose gradient decays only like 1/x^2).
-        kernel: "auto" (Triton on CUDA tensors, PyTorch elsewhere), "triton" or "torch".
+        kernel: "auto" (Triton on CUDA tensors; on CPU the write compiled by inductor for large
+            eager writes, the PyTorch reference for small ones), "triton", "inductor" or "torch"
+            (the reference always); see `nag_kernels.BACKENDS`.
         angle: "gate" (theta_max * sigmoid(sqrt(d) <w_l, u> + b_l) * g; alpha and bound are
             unused) or "magnitude" (the bounded size of the sublayer's tangential output); see
             the module docstring. None means "gate"; a checkpoint loads only into a model of its

@@ -1,0 +1,75 @@
+"""The NAG write compiled by inductor, for eager training where the Triton kernel does not run.
+
+In eager mode PyTorch runs the reference write as about thirty separate passes over the (rows, d)
+tensors, forward and backward, where pre-norm's residual add and norm take four: on CPU that was
+5-13% of a training step (docs/benchmarks.md). No eager PyTorch operation fuses them, so here
+inductor compiles the reference's forward and `reference_backward`'s formulas, each as a function
+of its own (`dynamic=True`: one compilation serves every batch and sequence length), into a few
+fused loops. The model itself stays eager; only these two functions are compiled.
+
+The first call in a process compiles (about half a minute with a cold cache, a few seconds with
+inductor's on-disk cache warm), so `nag_kernels.nag_write` takes this path only for writes of at
+least `MIN_ELEMENTS` elements, where a training run is long enough to repay it; tests and small
+runs keep the reference. Where compiling fails (no C++ compiler, an unsupported platform), the
+failure is reported once and every later write runs the reference: values and gradients are the
+same functions' either way, only their rounding differs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from .reference import nag_write_reference
+from .reference_backward import nag_write_reference_backward
+
+MIN_ELEMENTS = 1 << 16
+"""Writes of fewer elements (rows x d) run the reference: below it, a model trains too briefly
+for the one-time compilation to pay."""
+
+_compiled: tuple[Callable, Callable] | None = None
+_failed = False
+
+
+def usable(u: torch.Tensor) -> bool:
+    """Whether a write of `u` (eager, on CPU, in fp32/bf16, large enough) takes the compiled path."""
+    return (
+        not _failed
+        and u.device.type == "cpu"
+        and u.dtype in (torch.float32, torch.bfloat16)
+        and u.numel() >= MIN_ELEMENTS
+        and not torch.compiler.is_compiling()  # a compiled model fuses the traced write itself
+    )
+
+
+def functions() -> tuple[Callable, Callable]:
+    """(forward, backward): `nag_write_reference` and `nag_write_reference_backward` compiled;
+    created on first use, so importing the package does not import the compiler."""
+    global _compiled
+    if _compiled is None:
+        _compiled = (
+            torch.compile(nag_write_reference, dynamic=True, fullgraph=True),
+            torch.compile(nag_write_reference_backward, dynamic=True, fullgraph=True),
+        )
+    return _compiled
+
+
+def call(which: int, *args, **kwargs):
+    """Run compiled function `which` (0 forward, 1 backward); on a compilation failure, warn once
+    and run the reference from then on."""
+    global _failed
+    if not _failed:
+        try:
+            return functions()[which](*args, **kwargs)
+        except Exception as error:  # noqa: BLE001  (any compiler failure: the reference is exact)
+            _failed = True
+            warnings.warn(
+                f"The NAG write could not be compiled for CPU ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); it runs the PyTorch reference "
+                "from now on, at the same values but slower. Install a C++ compiler (g++ or clang++) "
+                "to get the fused write, or pass kernel='torch' to silence this.",
+                stacklevel=3,
+            )
+    return (nag_write_reference, nag_write_reference_backward)[which](*args, **kwargs)

@@ -1,0 +1,67 @@
+"""The NAG write compiled by inductor for eager CPU training (`nag_kernels/compiled.py`): the same
+values and gradients as the reference, chosen by `auto` only where it pays, and the reference
+again, with one warning, where compiling fails."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+import torch
+
+from nag_kernels import nag_write
+from tests.test_kernels import leaves, loss_of, make_inputs
+
+compiled = sys.modules["nag_kernels.compiled"]
+
+
+def values_and_grads(inputs, backend, **options):
+    x = leaves(inputs, "cpu")
+    outs = nag_write(**x, backend=backend, **options)
+    weights = [torch.linspace(-1, 1, o.numel()).view(o.shape) for o in outs if o is not None]
+    tensors = [v for v in x.values() if isinstance(v, torch.Tensor)]
+    grads = torch.autograd.grad(loss_of([o for o in outs if o is not None], weights), tensors)
+    return [o for o in outs if o is not None], grads
+
+
+@pytest.mark.parametrize("case", ["gated, next read, tanh", "given angle, rational"])
+def test_compiled_write_matches_reference(case):
+    """Forward and every gradient within fp32 rounding of the reference's, for the two ways the
+    model calls the write (a few seconds of compilation each with inductor's cache warm)."""
+    if case.startswith("gated"):
+        inputs, options = make_inputs((4, 33), 64, torch.float32), {"bound": "tanh"}
+    else:
+        inputs = make_inputs((4, 33), 64, torch.float32, gamma=False)
+        angle = torch.rand(4, 33, generator=torch.Generator().manual_seed(1))
+        options = {"bound": "rational", "angle": angle}
+    want_outs, want_grads = values_and_grads(inputs, "torch", **options)
+    got_outs, got_grads = values_and_grads(inputs, "inductor", **options)
+    assert not compiled._failed
+    for got, want in zip([*got_outs, *got_grads], [*want_outs, *want_grads]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_auto_compiles_only_large_eager_cpu_writes():
+    big, small = torch.empty(compiled.MIN_ELEMENTS // 64, 64), torch.empty(4, 64)
+    assert compiled.usable(big) and compiled.usable(big.bfloat16())
+    assert not compiled.usable(small)  # a test or a short run does not pay for the compilation
+    assert not compiled.usable(big.double())  # gradcheck keeps the reference
+
+
+def test_compilation_failure_falls_back_to_reference_with_one_warning(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(compiled, "_compiled", (broken, broken))
+    monkeypatch.setattr(compiled, "_failed", False)
+    inputs = make_inputs((3, 5), 16, torch.float32)
+    want_outs, want_grads = values_and_grads(inputs, "torch")
+    with pytest.warns(UserWarning, match="could not be compiled for CPU .*no C\\+\\+ compiler found"):
+        got_outs, got_grads = values_and_grads(inputs, "inductor")
+    for got, want in zip([*got_outs, *got_grads], [*want_outs, *want_grads]):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert compiled._failed and not compiled.usable(torch.empty(compiled.MIN_ELEMENTS))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once is enough
+        values_and_grads(inputs, "inductor")
