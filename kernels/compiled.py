@@ -36,11 +36,13 @@ _failed = False
 def usable(u: torch.Tensor) -> bool:
     """Whether a write of `u` (eager, on CPU, in fp32/bf16, large enough) takes the compiled path."""
     return (
-        not _failed
+        # first: a compiled model fuses the traced write itself, and a routed one's row count is
+        # a data-dependent size that the size test below would break the graph on
+        not torch.compiler.is_compiling()
+        and not _failed
         and u.device.type == "cpu"
         and u.dtype in (torch.float32, torch.bfloat16)
         and u.numel() >= MIN_ELEMENTS
-        and not torch.compiler.is_compiling()  # a compiled model fuses the traced write itself
     )
 
 

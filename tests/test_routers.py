@@ -410,6 +410,21 @@ def test_checkpoints_keep_the_thresholds_and_the_calibration():
         torch.testing.assert_close(model(idx).logits, clone(idx).logits)
 
 
+def test_topk_training_routes_give_every_sequences_positions_in_order():
+    """Training top-k takes the same number of tokens from every sequence, so it hands the
+    sublayer their positions (a gather of static shapes, `Sublayer._run_at`); the causal predictor
+    of evaluation routes a varying number and gives none."""
+    router = TopKRouter(16, capacity=0.6)
+    h = torch.randn(3, T, 16)
+    route = router.train()(h)
+    k = math.ceil(0.6 * T)
+    assert route.positions.shape == (3, k) and (route.positions.diff(dim=1) > 0).all()
+    mask = torch.zeros(3, T, dtype=torch.bool).scatter_(1, route.positions, True)
+    assert torch.equal(mask, route.executed)
+    assert torch.equal(route.executed, torch.zeros_like(mask).scatter_(1, route.gate.topk(k).indices, True))
+    assert router.eval()(h).positions is None
+
+
 def test_topk_predictor_learns_the_top_k_and_reports_agreement():
     model = tiny("nag", "topk", router_options={"capacity": 0.75})
     rates = train(model, text_batches(40))

@@ -205,10 +205,14 @@ class Attention(nn.Module):
         rotary = self.rotary[0]
         return rotary(q, positions), rotary(k, positions), v
 
-    def forward(self, h: Tensor) -> Tensor:
-        """Every token: h (B, T, C) -> (B, T, C)."""
-        B, T, _ = h.shape
-        q, k, v = self._qkv(h, torch.arange(T, device=h.device))  # (B, T, H, D)
+    def forward(self, h: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Every token, h (B, T, C) -> (B, T, C); or, with `positions` (B, T) increasing along
+        each row, tokens gathered from those original positions, the same number from every
+        sequence (top-k routing): causal attention by position is then causal attention over
+        the gathered tokens' order, with no padding."""
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)
+        q, k, v = self._qkv(h, positions)  # (B, T, H, D)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )  # (B, H, T, D)
@@ -221,7 +225,10 @@ class Attention(nn.Module):
         B = executed.shape[0]
         q, k, v = self._qkv(h, t)  # (N, H, D)
         slot = (executed.cumsum(1) - 1)[b, t]  # place of each token among its sequence's executed
-        K = int(executed.sum(1).max())
+        # at least one slot, and the compiler told so: a width of 0 would be a special case of
+        # attention that a data-dependent size cannot rule out (a graph break under torch.compile)
+        K = int(executed.sum(1).max().clamp_min(1))
+        torch._check(K >= 1)
         qkv = torch.stack((q, k, v))  # (3, N, H, D)
         # The buffer takes q/k/v's dtype, not h's: under autocast they are bf16 while h is fp32.
         padded = qkv.new_zeros(3, B, K, *q.shape[1:])  # (3, B, K, H, D)
@@ -344,7 +351,9 @@ class Sublayer(nn.Module):
             route = self.router(h)
         executed = route.executed if cached is None else cached.executes(route.executed)
         need_angle = cached is None and (self.record or self.router.needs_contribution)
-        if executed is None:
+        if route.positions is not None and cached is None:
+            state, angle = self._run_at(state, strategy, h, route, need_angle)
+        elif executed is None:
             if cached is not None and self.kind == "attn":
                 f = self.compute.forward_cached(h, cached.positions, cached.caches[self.index])
             else:
@@ -384,6 +393,43 @@ class Sublayer(nn.Module):
             self.executed = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device) if every else executed
             self.planned_angle = None if planned is None else planned.detach()
         return state
+
+
+    def _run_at(
+        self, state: State, strategy: ResidualStrategy, h: Tensor, route: Route, need_angle: bool
+    ) -> tuple[State, Tensor | None]:
+        """The same number of executed tokens from every sequence, at `route.positions` (B, K):
+        gathered and scattered back with static shapes, where the mask's `nonzero` gives a
+        data-dependent count (a graph break under torch.compile) and attention needs padding."""
+        at = route.positions
+        picked = tuple(_take(lane, at) for lane in state)
+        # the executed tokens' read, from their gathered state: the same values as gathering h,
+        # and h's gradient then comes from the router alone, with no scatter of a (B, T, C) one
+        picked_h = strategy.read(picked, self.index).to(h.dtype)  # (B, K, C)
+        f = self.compute(picked_h, at) if self.kind == "attn" else self.compute(picked_h)
+        gate = None if route.gate is None else route.gate.gather(1, at)
+        written, angle_executed = strategy.write(picked, f, gate, self.index, need_angle)
+        state = tuple(_put(lane, at, new) for lane, new in zip(state, written))
+        self.executed_per_seq = torch.full(h.shape[:1], at.shape[1], device=h.device)
+        if angle_executed is None:
+            return state, None
+        return state, h.new_zeros(h.shape[:2], dtype=angle_executed.dtype).scatter(1, at, angle_executed)
+
+
+def _index(lane: Tensor, at: Tensor) -> Tensor:
+    """`at` (B, K) expanded over the trailing dimensions of a (B, T, ...) lane."""
+    return at.view(*at.shape, *[1] * (lane.dim() - 2)).expand(*at.shape, *lane.shape[2:])
+
+
+def _take(lane: Tensor, at: Tensor) -> Tensor:
+    """(B, T, ...) -> (B, K, ...): each row's entries at positions `at` (B, K)."""
+    return lane.gather(1, _index(lane, at))
+
+
+def _put(lane: Tensor, at: Tensor, new: Tensor) -> Tensor:
+    """`lane` with each row's entries at positions `at` replaced by `new` (B, K, ...); the cast
+    only guards a strategy whose lanes follow f's dtype (bf16 under autocast)."""
+    return lane.scatter(1, _index(lane, at), new.to(lane.dtype))
 
 
 class Block(nn.Module):

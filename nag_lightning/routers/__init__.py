@@ -36,10 +36,14 @@ class Route:
     Attributes:
         executed: (B, T) bool, the tokens that run the sublayer; None means all of them.
         gate: (B, T) gate g in [0, 1] the executed tokens write with; None means 1.
+        positions: (B, K) the executed tokens' positions, increasing along each row, where every
+            sequence executes the same number K (top-k); the sublayer then gathers them with
+            static shapes. None: the sublayer finds them in `executed`.
     """
 
     executed: Tensor | None = None
     gate: Tensor | None = None
+    positions: Tensor | None = None
 
 
 class Router(nn.Module):

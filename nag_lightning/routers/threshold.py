@@ -306,12 +306,14 @@ class ThresholdRouter(Router):
         gap = torch.zeros(n, device=v.device)
         gap[1:] = v[1:].log() - v[:-1].log()
         in_band = (splits - target).abs() <= band
-        widest = gap.masked_fill(~in_band, -1.0).argmax()
+        # indices stay (1,) tensors read by gather, not v[index]: indexing by a 0-dim tensor
+        # reads it on the host, a graph break under torch.compile
+        widest = gap.masked_fill(~in_band, -1.0).argmax().view(1)
         possible = (gap > 0) | (splits == 0)
-        nearest = (splits - target).abs().masked_fill(~possible, float("inf")).argmin()
-        split = torch.where(gap[widest] > 0, widest, nearest)
-        lower = v[(split - 1).clamp_min(0)]
-        return torch.where(split > 0, (lower * v[split]).sqrt(), v[0])
+        nearest = (splits - target).abs().masked_fill(~possible, float("inf")).argmin().view(1)
+        split = torch.where(gap.gather(0, widest) > 0, widest, nearest)
+        lower, upper = v.gather(0, (split - 1).clamp_min(0)), v.gather(0, split)
+        return torch.where(split > 0, (lower * upper).sqrt(), v[:1]).squeeze(0)
 
     @torch.no_grad()
     def _record(

@@ -77,9 +77,11 @@ class TopKRouter(Router):
         s = self.score(h).squeeze(-1)  # (B, T)
         logit = self.predictor(h.detach()).squeeze(-1)  # (B, T), causal: one token at a time
         k = math.ceil(self.capacity * T)
-        in_topk = self._topk_mask(s.detach(), k)  # (B, T) bool
+        top = s.detach().topk(k, dim=1).indices.sort(dim=1).values  # (B, k) positions, in order
+        in_topk = torch.zeros_like(s, dtype=torch.bool).scatter_(1, top, True)  # (B, T)
+        positions = None
         if self.training or self.eval_routing == "topk":
-            executed = in_topk
+            executed, positions = in_topk, top  # k from every sequence: gathered with static shapes
         else:
             executed = logit > 0  # sigmoid(logit) > 0.5
         if self.training:
@@ -93,7 +95,7 @@ class TopKRouter(Router):
             }
         if k == T and executed is in_topk:
             return Route(executed=None, gate=torch.sigmoid(s))  # every token runs: no gather
-        return Route(executed=executed, gate=torch.sigmoid(s))
+        return Route(executed=executed, gate=torch.sigmoid(s), positions=positions)
 
     @property
     def causal(self) -> bool:
@@ -110,12 +112,6 @@ class TopKRouter(Router):
             self.eval_routing = trained
 
         return restore
-
-    @staticmethod
-    def _topk_mask(s: Tensor, k: int) -> Tensor:
-        """(B, T) bool: the k highest scores of each sequence."""
-        mask = torch.zeros_like(s, dtype=torch.bool)
-        return mask.scatter_(1, s.topk(k, dim=1).indices, True)
 
     def observe(self, h: Tensor, route: Route, contribution: Tensor | None) -> None:
         """The predictor's loss is set in `forward`; top-k learns nothing from the angle."""
