@@ -364,16 +364,18 @@ class Sublayer(nn.Module):
             b, t = executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
             if cached is not None and b.numel() == 0:
                 return state
+            picked = tuple(lane[b, t] for lane in state)
+            # the executed tokens' read from their picked state, as in `_run_at`
+            picked_h = strategy.read(picked, self.index).to(h.dtype)  # (N, C)
             if cached is not None and self.kind == "attn":
                 f = self.compute.forward_cached_routed(
-                    h[b, t], b, t, executed, cached.positions[b, t], cached.caches[self.index]
+                    picked_h, b, t, executed, cached.positions[b, t], cached.caches[self.index]
                 )
             elif self.kind == "attn":
-                f = self.compute.forward_routed(h[b, t], b, t, executed)
+                f = self.compute.forward_routed(picked_h, b, t, executed)
             else:
-                f = self.compute(h[b, t])  # (N, C)
+                f = self.compute(picked_h)  # (N, C)
             gate = None if route.gate is None else route.gate[b, t]
-            picked = tuple(lane[b, t] for lane in state)
             written, angle_executed = strategy.write(picked, f, gate, self.index, need_angle)
             # A strategy returns its lanes' own dtypes; the cast only guards one that follows f's
             # (bf16 under autocast), since index_put refuses mixed dtypes.
