@@ -396,7 +396,6 @@ class Sublayer(nn.Module):
             self.planned_angle = None if planned is None else planned.detach()
         return state
 
-
     def _run_at(
         self, state: State, strategy: ResidualStrategy, h: Tensor, route: Route, need_angle: bool
     ) -> tuple[State, Tensor | None]:
