@@ -81,14 +81,19 @@ def row_scale(f: torch.Tensor) -> torch.Tensor:
     """Per row of f (..., d), the largest power of two <= max|f| (1 when max|f| is 0 or subnormal).
 
     Dividing by it is exact and brings the row's largest element into [1, 2), so squares and sums
-    of squares of the scaled row cannot overflow or underflow, for any finite f. The kernels take
-    the same value from the exponent bits of max|f|. It is a constant of the computation (every
-    output is invariant to it), so it carries no gradient."""
+    of squares of the scaled row cannot overflow or underflow, for any finite f. It is max|f| with
+    its mantissa bits cleared, as the kernels take it from the exponent bits: bit operations that
+    a compiler vectorizes, where frexp and ldexp run one element at a time. It is a constant of
+    the computation (every output is invariant to it), so it carries no gradient."""
     f = f.detach()
     peak = torch.maximum(f.amax(-1), -f.amin(-1))  # max|f| without a tensor of |f|
-    _, exponent = torch.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [0.5, 1)
-    one = torch.ones_like(peak)
-    return torch.where(peak >= torch.finfo(peak.dtype).tiny, torch.ldexp(one, exponent - 1), one)
+    bits, exponent = _EXPONENT_BITS[peak.dtype]
+    power = (peak.view(bits) & exponent).view(peak.dtype)  # 2 ** floor(log2(peak)) for a normal peak
+    return torch.where(peak >= torch.finfo(peak.dtype).tiny, power, torch.ones_like(peak))
+
+
+_EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+"""The integer type of each compute dtype's bits and the mask of its exponent field."""
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
