@@ -29,6 +29,13 @@ MIN_ELEMENTS = 1 << 16
 """Writes of fewer elements (rows x d) run the reference: below it, a model trains too briefly
 for the one-time compilation to pay."""
 
+INDUCTOR_OPTIONS = {"realize_reads_threshold": 1}
+"""Store every per-row number that a full-width loop reads (an angle, its sine and cosine, a norm)
+in a buffer of its own, computed once per row in a loop vectorized over rows, instead of inlining
+it into the (rows, d) loops, which recompute such scalars for every vector of the row: the
+forward and backward at (2048, 128) took 0.54 and 0.60 ms with inductor's default (4), 0.51 and
+0.48 with this."""
+
 _compiled: tuple[Callable, Callable] | None = None
 _failed = False
 
@@ -51,9 +58,9 @@ def functions() -> tuple[Callable, Callable]:
     created on first use, so importing the package does not import the compiler."""
     global _compiled
     if _compiled is None:
-        _compiled = (
-            torch.compile(nag_write_reference, dynamic=True, fullgraph=True),
-            torch.compile(nag_write_reference_backward, dynamic=True, fullgraph=True),
+        _compiled = tuple(
+            torch.compile(fn, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
+            for fn in (nag_write_reference, nag_write_reference_backward)
         )
     return _compiled
 
