@@ -173,6 +173,35 @@ def test_sublayer_skipping_every_token_equals_the_model_without_it(kind, residua
         torch.testing.assert_close(logits, model(idx).logits, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("residual", RESIDUALS.names())
+@pytest.mark.parametrize(("router", "mode"), CASES)
+def test_a_routed_sublayer_leaves_its_skipped_tokens_state_bitwise_and_runs_the_rest(router, mode, residual):
+    """The write runs over every token (f = 0, g = 0 where skipped) and is kept on the executed
+    ones only: a skipped token's lanes come out bitwise as they went in, for any strategy, and an
+    executed token's as the sublayer computed on the executed tokens alone would write them."""
+    options = {"capacity": 0.6} if router == "topk" else {"warmup_steps": 0}
+    model = tiny(residual, router, router_options=options)
+    idx = tokens(batch=4)
+    if router == "threshold":
+        threshold_at_quantile(model, idx, 0.35)
+    model.train(mode == "train")
+    strategy, sublayer = model.strategy, model.blocks[1].mlp
+    sublayer.router.defer_updates = True  # the route asked again below is the one the pass took
+    with torch.no_grad():
+        state = strategy.init_state(model.embed(idx))
+        out = sublayer(state, strategy)
+        route = sublayer.router(strategy.read(state, sublayer.index))
+        executed, gate = route.executed, route.gate
+        assert executed is not None and executed.any() and (~executed).any()
+        b, t = executed.nonzero(as_tuple=True)
+        picked = tuple(lane[b, t] for lane in state)
+        f = sublayer.compute(strategy.read(picked, sublayer.index))
+        alone, _ = strategy.write(picked, f, None if gate is None else gate[b, t], sublayer.index, False)
+    for lane, new, written in zip(state, out, alone):
+        assert torch.equal(new[~executed], lane[~executed])
+        torch.testing.assert_close(new[b, t], written, atol=1e-6, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------------
 # Causality
 # --------------------------------------------------------------------------------------------------

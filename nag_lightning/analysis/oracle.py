@@ -15,6 +15,7 @@ import torch
 
 from nag_lightning.model import Sublayer, Transformer
 from nag_lightning.model.kv_cache import CachedPass
+from nag_lightning.model.transformer import merge
 from nag_lightning.residuals import ResidualStrategy, State
 
 
@@ -47,9 +48,9 @@ class OracleSublayer(Sublayer):
         return self.merge(state, written, keep)
 
     def merge(self, state: State, written: State, keep: torch.Tensor) -> State:
-        """The state after the write: each lane written where `keep` (B, T), as it was elsewhere."""
-        return tuple(torch.where(keep.unsqueeze(-1) if new.ndim > keep.ndim else keep, new, old)
-                     for new, old in zip(written, state))
+        """The state after the write: each lane written where `keep` (B, T), as it was elsewhere
+        (a subclass may keep some lanes' writes everywhere)."""
+        return merge(state, written, keep)
 
 
 @contextmanager

@@ -5,13 +5,14 @@ same `Sublayer` wrapper:
 
     state ─> strategy.read ─> h ─> router ─> Route(executed, gate)
                                              │
-        gather executed tokens ─> attention / MLP on them alone ─> f
+        gather executed tokens' h ─> attention / MLP on them alone ─> scatter ─> f (0 if skipped)
                                              │
-    state' <─ scatter <─ strategy.write(gathered state, f, gate) ┘
+    state' <─ kept where executed <─ strategy.write(state, f, gate (0 if skipped)) ┘
 
 so a residual strategy never sees routing and a router never sees the residual state. Generation
-runs the same path over new tokens only (`stream(idx, cached)`): attention then reads and extends
-the KV cache of its executed tokens (`kv_cache`, driven by `inference`, beside this module).
+runs the same path over new tokens only (`stream(idx, cached)`), writing the executed tokens' rows
+alone: attention then reads and extends the KV cache of its executed tokens (`kv_cache`, driven
+by `inference`, beside this module).
 Shapes: B batch, T sequence, C = d_model, N executed tokens, K executed tokens of the longest
 sequence (the padded width routed attention runs at), H heads, D head width.
 """
@@ -349,44 +350,15 @@ class Sublayer(nn.Module):
             route: Route = self.router(h, planned_angle=planned)
         else:
             route = self.router(h)
-        executed = route.executed if cached is None else cached.executes(route.executed)
-        need_angle = cached is None and (self.record or self.router.needs_contribution)
-        if route.positions is not None and cached is None:
-            state, angle = self._run_at(state, strategy, h, route, need_angle)
-        elif executed is None:
-            if cached is not None and self.kind == "attn":
-                f = self.compute.forward_cached(h, cached.positions, cached.caches[self.index])
-            else:
-                f = self.compute(h)
-            state, angle = strategy.write(state, f, route.gate, self.index, need_angle)
+        if cached is not None:
+            return self._run_cached(state, strategy, h, route, cached)
+        need_angle = self.record or self.router.needs_contribution
+        executed = route.executed
+        if executed is None:
+            state, angle = strategy.write(state, self.compute(h), route.gate, self.index, need_angle)
             self.executed_per_seq = torch.full(h.shape[:1], h.shape[1], device=h.device)
         else:
-            b, t = executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
-            if cached is not None and b.numel() == 0:
-                return state
-            picked = tuple(lane[b, t] for lane in state)
-            # the executed tokens' read from their picked state, as in `_run_at`
-            picked_h = strategy.read(picked, self.index).to(h.dtype)  # (N, C)
-            if cached is not None and self.kind == "attn":
-                f = self.compute.forward_cached_routed(
-                    picked_h, b, t, executed, cached.positions[b, t], cached.caches[self.index]
-                )
-            elif self.kind == "attn":
-                f = self.compute.forward_routed(picked_h, b, t, executed)
-            else:
-                f = self.compute(picked_h)  # (N, C)
-            gate = None if route.gate is None else route.gate[b, t]
-            written, angle_executed = strategy.write(picked, f, gate, self.index, need_angle)
-            # A strategy returns its lanes' own dtypes; the cast only guards one that follows f's
-            # (bf16 under autocast), since index_put refuses mixed dtypes.
-            state = tuple(lane.index_put((b, t), new.to(lane.dtype)) for lane, new in zip(state, written))
-            angle = None
-            if angle_executed is not None:
-                angle = h.new_zeros(h.shape[:2], dtype=angle_executed.dtype)
-                angle[b, t] = angle_executed  # a skipped token is not turned at all
-            self.executed_per_seq = executed.sum(1)
-        if cached is not None:
-            return state
+            state, angle = self._run_routed(state, strategy, h, route, need_angle)
         self.router.observe(h, route, angle)
         if self.record:
             self.contribution = angle
@@ -396,25 +368,73 @@ class Sublayer(nn.Module):
             self.planned_angle = None if planned is None else planned.detach()
         return state
 
-    def _run_at(
+    def _run_routed(
         self, state: State, strategy: ResidualStrategy, h: Tensor, route: Route, need_angle: bool
     ) -> tuple[State, Tensor | None]:
-        """The same number of executed tokens from every sequence, at `route.positions` (B, K):
-        gathered and scattered back with static shapes, where the mask's `nonzero` gives a
-        data-dependent count (a graph break under torch.compile) and attention needs padding."""
+        """Training and evaluation with skipped tokens: the sublayer computes the executed tokens
+        alone; the write then runs over every token, with f = 0 and g = 0 where skipped, and its
+        result is kept on the executed tokens only (`merge`). The write is per-token work, a few
+        passes over (B, T, C); gathering the state lanes, writing the executed rows and scattering
+        them back cost more passes than that, forward and backward (docs/benchmarks.md, "Speed
+        under torch.compile"). Where every sequence executes the same number of tokens (top-k's
+        `route.positions`, (B, K)) they are gathered with static shapes; otherwise by the mask."""
+        executed = route.executed
         at = route.positions
-        picked = tuple(_take(lane, at) for lane in state)
-        # the executed tokens' read, from their gathered state: the same values as gathering h,
-        # and h's gradient then comes from the router alone, with no scatter of a (B, T, C) one
-        picked_h = strategy.read(picked, self.index).to(h.dtype)  # (B, K, C)
-        f = self.compute(picked_h, at) if self.kind == "attn" else self.compute(picked_h)
-        gate = None if route.gate is None else route.gate.gather(1, at)
-        written, angle_executed = strategy.write(picked, f, gate, self.index, need_angle)
-        state = tuple(_put(lane, at, new) for lane, new in zip(state, written))
-        self.executed_per_seq = torch.full(h.shape[:1], at.shape[1], device=h.device)
-        if angle_executed is None:
-            return state, None
-        return state, h.new_zeros(h.shape[:2], dtype=angle_executed.dtype).scatter(1, at, angle_executed)
+        if at is not None:
+            picked = _take(h, at)  # (B, K, C)
+            f = self.compute(picked, at) if self.kind == "attn" else self.compute(picked)
+            f = h.new_zeros(h.shape, dtype=f.dtype).scatter(1, _index(h, at), f)
+            self.executed_per_seq = torch.full(h.shape[:1], at.shape[1], device=h.device)
+        else:
+            b, t = executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
+            picked = h[b, t]  # (N, C)
+            f = self.compute.forward_routed(picked, b, t, executed) if self.kind == "attn" else self.compute(picked)
+            f = h.new_zeros(h.shape, dtype=f.dtype).index_put((b, t), f)
+            self.executed_per_seq = executed.sum(1)
+        gate = executed.to(h.dtype) if route.gate is None else route.gate * executed
+        written, angle = strategy.write(state, f, gate, self.index, need_angle)
+        if angle is not None:
+            angle = torch.where(executed, angle, 0.0)  # a skipped token is not turned at all
+        return merge(state, written, executed), angle
+
+    def _run_cached(
+        self, state: State, strategy: ResidualStrategy, h: Tensor, route: Route, cached: CachedPass
+    ) -> State:
+        """New tokens of generation: the executed ones run the sublayer, attention through the KV
+        cache; their state rows are gathered, written and put back, and no write runs where no
+        token executes (a step of generation is often one token)."""
+        executed = cached.executes(route.executed)
+        if executed is None:
+            if self.kind == "attn":
+                f = self.compute.forward_cached(h, cached.positions, cached.caches[self.index])
+            else:
+                f = self.compute(h)
+            return strategy.write(state, f, route.gate, self.index, False)[0]
+        b, t = executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
+        if b.numel() == 0:
+            return state
+        picked = tuple(lane[b, t] for lane in state)
+        picked_h = h[b, t]  # (N, C)
+        if self.kind == "attn":
+            f = self.compute.forward_cached_routed(
+                picked_h, b, t, executed, cached.positions[b, t], cached.caches[self.index]
+            )
+        else:
+            f = self.compute(picked_h)
+        gate = None if route.gate is None else route.gate[b, t]
+        written, _ = strategy.write(picked, f, gate, self.index, False)
+        # A strategy returns its lanes' own dtypes; the cast only guards one that follows f's
+        # (bf16 under autocast), since index_put refuses mixed dtypes.
+        return tuple(lane.index_put((b, t), new.to(lane.dtype)) for lane, new in zip(state, written))
+
+
+def merge(state: State, written: State, keep: Tensor) -> State:
+    """The state after a write: each lane (B, T, ...) as `written` where `keep` (B, T), as it was
+    elsewhere. The cast only guards a strategy whose lanes follow f's dtype (bf16 under autocast)."""
+    return tuple(
+        torch.where(keep.view(*keep.shape, *[1] * (old.dim() - keep.dim())), new.to(old.dtype), old)
+        for new, old in zip(written, state)
+    )
 
 
 def _index(lane: Tensor, at: Tensor) -> Tensor:
@@ -425,12 +445,6 @@ def _index(lane: Tensor, at: Tensor) -> Tensor:
 def _take(lane: Tensor, at: Tensor) -> Tensor:
     """(B, T, ...) -> (B, K, ...): each row's entries at positions `at` (B, K)."""
     return lane.gather(1, _index(lane, at))
-
-
-def _put(lane: Tensor, at: Tensor, new: Tensor) -> Tensor:
-    """`lane` with each row's entries at positions `at` replaced by `new` (B, K, ...); the cast
-    only guards a strategy whose lanes follow f's dtype (bf16 under autocast)."""
-    return lane.scatter(1, _index(lane, at), new.to(lane.dtype))
 
 
 class Block(nn.Module):
