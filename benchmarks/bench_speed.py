@@ -12,6 +12,9 @@ machine's load hit all alike, and reports medians; one thread, `torch.set_num_th
     mod     NAG unrouted, top-k (capacity 0.75) and threshold (target 25%) on every sublayer, eager
             and compiled: the FLOPs saved (`nag_lightning.model.flops.count_model`, training = 3 x
             forward), the time saved, their ratio, and the graphs dynamo compiled after step 4
+    write   one NAG write alone (the default gated angle, batch x sequence rows, d_model 128 and
+            256), forward and forward + backward, the PyTorch reference against the write that
+            inductor compiled, beside pre-norm's residual add and RMSNorm on the same rows
 
 A training step is forward, backward and AdamW (`bench_residual_step.step`), sequence 256, batch 8.
 """
@@ -19,12 +22,15 @@ A training step is forward, backward and AdamW (`bench_residual_step.step`), seq
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 from bench_residual_step import build, step
 
+from nag_kernels import nag_write
 from nag_lightning.model.compile import compile_model
 from nag_lightning.model.flops import count_model
 
@@ -128,10 +134,62 @@ def mod_section(args: argparse.Namespace) -> None:
                   f"{1000 * t:.0f} | {saved_f:.1%} | {saved_t:.1%} | {share} |")
 
 
+def write_section(args: argparse.Namespace) -> None:
+    theta_max = math.pi / 2
+    print(f"\nwrite: one write over {args.batch} x {args.seq_len} rows; median of {10 * args.repeats} calls "
+          "after 5 (the compiled functions compile in the first)\n")
+    print("| d_model | pass | pre-norm add + RMSNorm (ms) | NAG write, reference (ms) | NAG write, compiled (ms) "
+          "| compiled / reference |")
+    print("|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for d in (128, 256):
+        rows = (args.batch, args.seq_len)
+        u = F.normalize(torch.randn(*rows, d, generator=gen), dim=-1)
+        f, x = torch.randn(*rows, d, generator=gen), torch.randn(*rows, d, generator=gen)
+        rho, angle = torch.zeros(rows), theta_max * torch.rand(rows, generator=gen)
+        alpha, beta, gamma = torch.tensor(1.0), torch.tensor(0.5), torch.ones(d)
+        grad = torch.randn(*rows, d, generator=gen)
+
+        def nag(backend: str, backward: bool):
+            leaves = [t.clone().requires_grad_(backward) for t in (u, f, rho, angle, alpha, beta)]
+            def run():
+                u_new, rho_new, _, _ = nag_write(leaves[0], leaves[1], leaves[2], leaves[3] / theta_max,
+                                                 leaves[4], leaves[5], theta_max, backend=backend, angle=leaves[3])
+                if backward:
+                    torch.autograd.backward((u_new, rho_new), (grad, torch.ones_like(rho_new)))
+                    for leaf in leaves:
+                        leaf.grad = None  # each call's gradients are new tensors, not sums
+            return run
+
+        def prenorm(backward: bool):
+            leaves = [t.clone().requires_grad_(backward) for t in (x, f, gamma)]
+            def run():
+                h = F.rms_norm(leaves[0] + leaves[1], (d,), leaves[2])
+                if backward:
+                    h.backward(grad)
+                    for leaf in leaves:
+                        leaf.grad = None
+            return run
+
+        for backward in (False, True):
+            calls = {"prenorm": prenorm(backward), "torch": nag("torch", backward),
+                     "inductor": nag("inductor", backward)}
+            times = {name: [] for name in calls}
+            for i in range(5 + 10 * args.repeats):
+                for name, call in calls.items():
+                    start = time.perf_counter()
+                    call()
+                    if i >= 5:
+                        times[name].append(time.perf_counter() - start)
+            pre, ref, fused = (1000 * statistics.median(times[n]) for n in ("prenorm", "torch", "inductor"))
+            which = "forward + backward" if backward else "forward"
+            print(f"| {d} | {which} | {pre:.3f} | {ref:.3f} | {fused:.3f} | {fused / ref:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", nargs="+", choices=("small", "large", "mod"),
-                        default=["small", "large", "mod"])
+    parser.add_argument("--sections", nargs="+", choices=("small", "large", "mod", "write"),
+                        default=["small", "large", "mod", "write"])
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=8, help="timed steps of each variant")
@@ -146,6 +204,8 @@ def main() -> None:
         residual_section(args, "large", compiled=True)
     if "mod" in args.sections:
         mod_section(args)
+    if "write" in args.sections:
+        write_section(args)
 
 
 if __name__ == "__main__":
