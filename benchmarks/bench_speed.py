@@ -7,7 +7,8 @@ sizes, and how much of Mixture-of-Depths' FLOP saving shows up as step time.
 Sections (each runs its variants alternated step by step in this one process, so drifts of the
 machine's load hit all alike, and reports medians; one thread, `torch.set_num_threads(1)`):
 
-    small   NAG and pre-norm, eager, d_model 128, 2 blocks, 4 heads
+    small   NAG and pre-norm, eager, d_model 128, 2 blocks, 4 heads; and NAG without its gated angle
+            (the magnitude angle) or without its norm-lane readout, to show what each costs
     large   NAG and pre-norm, eager and compiled (inductor), d_model 256, 8 blocks, 8 heads
     mod     NAG unrouted, top-k (capacity 0.75) and threshold (target 25%) on every sublayer, eager
             and compiled: the FLOPs saved (`nag_lightning.model.flops.count_model`, training = 3 x
@@ -38,11 +39,14 @@ SIZES = {"small": dict(d_model=128, n_layers=2, n_heads=4), "large": dict(d_mode
 ROUTERS = {"unrouted": ("none", {}), "topk 0.75": ("topk", {"capacity": 0.75}),
            "threshold 25%": ("threshold", {"target_rate": 0.25, "warmup_steps": 0})}
 SETTLED_STEP = 4  # no graph may be compiled after this many steps of each model
+DIAGNOSTIC_VARIANTS = {"eager, magnitude angle (no gate)": '{"angle": "magnitude"}',
+                       "eager, no norm-lane readout": '{"norm_lane_readout": false}'}
+"""NAG without one part each, timed in the small section only: what that part costs."""
 
 
-def step_args(args: argparse.Namespace, size: str, kernel: str = "auto") -> argparse.Namespace:
+def step_args(args: argparse.Namespace, size: str, kernel: str = "auto", nag_options: str = "{}") -> argparse.Namespace:
     """Arguments in the shape `bench_residual_step.build/step` read."""
-    return argparse.Namespace(device="cpu", seq_len=args.seq_len, kernel=kernel, nag_options="{}",
+    return argparse.Namespace(device="cpu", seq_len=args.seq_len, kernel=kernel, nag_options=nag_options,
                               precision="32", **SIZES[size])
 
 
@@ -79,6 +83,9 @@ def residual_runs(args: argparse.Namespace, size: str, compiled: bool) -> dict:
             runs[f"{residual} compiled"] = (compile_model(model), optimizer)
     # NAG's write as the PyTorch reference's separate operations, where eager NAG compiles it
     runs["nag eager, reference write"] = build("nag", step_args(args, size, kernel="torch"))
+    if not compiled:  # where the rest of the small model's gap goes: NAG without one of its parts
+        for mode, options in DIAGNOSTIC_VARIANTS.items():
+            runs[f"nag {mode}"] = build("nag", step_args(args, size, nag_options=options))
     return runs
 
 
@@ -90,7 +97,7 @@ def residual_section(args: argparse.Namespace, size: str, compiled: bool) -> Non
           f"{args.repeats} steps after {args.warmup}\n")
     print("| mode | pre-norm step (ms) | NAG step (ms) | NAG / pre-norm |")
     print("|---|---|---|---|")
-    for mode in ("eager", "eager, reference write", "compiled"):
+    for mode in ("eager", "eager, reference write", *DIAGNOSTIC_VARIANTS, "compiled"):
         if f"nag {mode}" in median:
             pre = median[f"prenorm {mode.split(',')[0]}"]
             nag = median[f"nag {mode}"]
