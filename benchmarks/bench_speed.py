@@ -44,7 +44,9 @@ DIAGNOSTIC_VARIANTS = {"eager, magnitude angle (no gate)": '{"angle": "magnitude
 """NAG without one part each, timed in the small section only: what that part costs."""
 
 
-def step_args(args: argparse.Namespace, size: str, kernel: str = "auto", nag_options: str = "{}") -> argparse.Namespace:
+def step_args(
+    args: argparse.Namespace, size: str, kernel: str = "auto", nag_options: str = "{}"
+) -> argparse.Namespace:
     """Arguments in the shape `bench_residual_step.build/step` read."""
     return argparse.Namespace(device="cpu", seq_len=args.seq_len, kernel=kernel, nag_options=nag_options,
                               precision="32", **SIZES[size])
@@ -141,12 +143,44 @@ def mod_section(args: argparse.Namespace) -> None:
                   f"{1000 * t:.0f} | {saved_f:.1%} | {saved_t:.1%} | {share} |")
 
 
+def nag_write_call(tensors: tuple, grad: torch.Tensor, theta_max: float, backend: str, backward: bool):
+    """One gated NAG write of `tensors` (u, f, rho, angle, alpha, beta) by `backend`, as a call;
+    with `backward` it also runs the backward of (u', rho') with gradients (grad, 1)."""
+    leaves = [t.clone().requires_grad_(backward) for t in tensors]
+
+    def run() -> None:
+        u, f, rho, angle, alpha, beta = leaves
+        u_new, rho_new, _, _ = nag_write(u, f, rho, angle / theta_max, alpha, beta, theta_max,
+                                         backend=backend, angle=angle)
+        if backward:
+            torch.autograd.backward((u_new, rho_new), (grad, torch.ones_like(rho_new)))
+            for leaf in leaves:
+                leaf.grad = None  # each call's gradients are new tensors, not sums
+
+    return run
+
+
+def prenorm_write_call(tensors: tuple, grad: torch.Tensor, backward: bool):
+    """Pre-norm's residual add and the next RMSNorm on `tensors` (x, f, gamma), as a call."""
+    leaves = [t.clone().requires_grad_(backward) for t in tensors]
+
+    def run() -> None:
+        x, f, gamma = leaves
+        h = F.rms_norm(x + f, gamma.shape, gamma)
+        if backward:
+            h.backward(grad)
+            for leaf in leaves:
+                leaf.grad = None
+
+    return run
+
+
 def write_section(args: argparse.Namespace) -> None:
     theta_max = math.pi / 2
-    print(f"\nwrite: one write over {args.batch} x {args.seq_len} rows; median of {10 * args.repeats} calls "
-          "after 5 (the compiled functions compile in the first)\n")
-    print("| d_model | pass | pre-norm add + RMSNorm (ms) | NAG write, reference (ms) | NAG write, compiled (ms) "
-          "| compiled / reference |")
+    print(f"\nwrite: one write over {args.batch} x {args.seq_len} rows; median of {10 * args.repeats} "
+          "calls after 5 (the compiled functions compile in the first)\n")
+    print("| d_model | pass | pre-norm add + RMSNorm (ms) | NAG write, reference (ms) "
+          "| NAG write, compiled (ms) | compiled / reference |")
     print("|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for d in (128, 256):
@@ -154,33 +188,12 @@ def write_section(args: argparse.Namespace) -> None:
         u = F.normalize(torch.randn(*rows, d, generator=gen), dim=-1)
         f, x = torch.randn(*rows, d, generator=gen), torch.randn(*rows, d, generator=gen)
         rho, angle = torch.zeros(rows), theta_max * torch.rand(rows, generator=gen)
-        alpha, beta, gamma = torch.tensor(1.0), torch.tensor(0.5), torch.ones(d)
+        nag_tensors = (u, f, rho, angle, torch.tensor(1.0), torch.tensor(0.5))
         grad = torch.randn(*rows, d, generator=gen)
-
-        def nag(backend: str, backward: bool):
-            leaves = [t.clone().requires_grad_(backward) for t in (u, f, rho, angle, alpha, beta)]
-            def run():
-                u_new, rho_new, _, _ = nag_write(leaves[0], leaves[1], leaves[2], leaves[3] / theta_max,
-                                                 leaves[4], leaves[5], theta_max, backend=backend, angle=leaves[3])
-                if backward:
-                    torch.autograd.backward((u_new, rho_new), (grad, torch.ones_like(rho_new)))
-                    for leaf in leaves:
-                        leaf.grad = None  # each call's gradients are new tensors, not sums
-            return run
-
-        def prenorm(backward: bool):
-            leaves = [t.clone().requires_grad_(backward) for t in (x, f, gamma)]
-            def run():
-                h = F.rms_norm(leaves[0] + leaves[1], (d,), leaves[2])
-                if backward:
-                    h.backward(grad)
-                    for leaf in leaves:
-                        leaf.grad = None
-            return run
-
         for backward in (False, True):
-            calls = {"prenorm": prenorm(backward), "torch": nag("torch", backward),
-                     "inductor": nag("inductor", backward)}
+            calls = {"prenorm": prenorm_write_call((x, f, torch.ones(d)), grad, backward),
+                     "torch": nag_write_call(nag_tensors, grad, theta_max, "torch", backward),
+                     "inductor": nag_write_call(nag_tensors, grad, theta_max, "inductor", backward)}
             times = {name: [] for name in calls}
             for i in range(5 + 10 * args.repeats):
                 for name, call in calls.items():

@@ -388,7 +388,10 @@ class Sublayer(nn.Module):
         else:
             b, t = executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
             picked = h[b, t]  # (N, C)
-            f = self.compute.forward_routed(picked, b, t, executed) if self.kind == "attn" else self.compute(picked)
+            if self.kind == "attn":
+                f = self.compute.forward_routed(picked, b, t, executed)
+            else:
+                f = self.compute(picked)
             f = h.new_zeros(h.shape, dtype=f.dtype).index_put((b, t), f)
             self.executed_per_seq = executed.sum(1)
         gate = executed.to(h.dtype) if route.gate is None else route.gate * executed
