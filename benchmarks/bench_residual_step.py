@@ -39,7 +39,9 @@ def build(residual: str, args: argparse.Namespace, **config) -> tuple[Transforme
     )
     model = Transformer(cfg).to(args.device)
     model.strategy.project_weights(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # fused, as training's optimizer is wherever Lightning allows it (`training.module.fused_adamw`)
+    fused = torch.device(args.device).type in ("cpu", "cuda") or None
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
 
 
 def autocast(args: argparse.Namespace):

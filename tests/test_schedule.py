@@ -140,3 +140,17 @@ def test_isoflop_recipes_anneal_at_the_end_of_their_budget():
         assert model_config["schedule"] == "wsd" and model_config["decay_fraction"] == 0.2, recipe
         assert model_config["min_lr_ratio"] < 1, recipe
         assert any(c["class_path"].endswith("FlopBudget") for c in config["trainer"]["callbacks"])
+
+
+def test_training_updates_with_fused_adamw_where_lightning_allows_it(tmp_path):
+    """Fused AdamW (one kernel for every parameter) on plain CPU parameters; the default where
+    Lightning's mixed precision would clip gradients, which it refuses for an optimizer that
+    unscales them itself."""
+    module = model()
+    fit = trainer(tmp_path, [], max_steps=2)
+    fit.fit(module, loader())
+    assert fit.optimizers[0].defaults["fused"] is True
+    assert torch.isfinite(next(module.parameters())).all()
+    mixed = trainer(tmp_path, [], max_steps=2, precision="bf16-mixed", gradient_clip_val=1.0)
+    mixed.fit(model(), loader())
+    assert not mixed.optimizers[0].defaults["fused"]
