@@ -122,15 +122,22 @@ def dense_reference(model: Transformer, idx: torch.Tensor) -> tuple[torch.Tensor
 CASES = [("topk", "train"), ("topk", "eval"), ("threshold", "train"), ("threshold", "eval")]
 
 
-@pytest.mark.parametrize("residual", RESIDUALS.names())
-@pytest.mark.parametrize(("router", "mode"), CASES)
-def test_routed_forward_and_gradients_equal_dense_masked_reference(router, mode, residual):
+def routed_case(residual: str, router: str, mode: str) -> tuple[Transformer, torch.Tensor]:
+    """A tiny model and batch of a CASES entry: top-k at capacity 0.6, or a threshold that skips
+    about 35% of the batch, in train or eval mode."""
     options = {"capacity": 0.6} if router == "topk" else {"warmup_steps": 0}
     model = tiny(residual, router, router_options=options)
     idx = tokens(batch=4)
     if router == "threshold":
         threshold_at_quantile(model, idx, 0.35)
     model.train(mode == "train")
+    return model, idx
+
+
+@pytest.mark.parametrize("residual", RESIDUALS.names())
+@pytest.mark.parametrize(("router", "mode"), CASES)
+def test_routed_forward_and_gradients_equal_dense_masked_reference(router, mode, residual):
+    model, idx = routed_case(residual, router, mode)
     # a training forward updates the routers' buffers; the reference starts from the same ones
     before = {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
 
@@ -179,12 +186,7 @@ def test_a_routed_sublayer_leaves_its_skipped_tokens_state_bitwise_and_runs_the_
     """The write runs over every token (f = 0, g = 0 where skipped) and is kept on the executed
     ones only: a skipped token's lanes come out bitwise as they went in, for any strategy, and an
     executed token's as the sublayer computed on the executed tokens alone would write them."""
-    options = {"capacity": 0.6} if router == "topk" else {"warmup_steps": 0}
-    model = tiny(residual, router, router_options=options)
-    idx = tokens(batch=4)
-    if router == "threshold":
-        threshold_at_quantile(model, idx, 0.35)
-    model.train(mode == "train")
+    model, idx = routed_case(residual, router, mode)
     strategy, sublayer = model.strategy, model.blocks[1].mlp
     sublayer.router.defer_updates = True  # the route asked again below is the one the pass took
     with torch.no_grad():
