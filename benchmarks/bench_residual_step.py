@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from nag_lightning import Transformer, TransformerConfig
 from nag_lightning.residuals import RESIDUALS
+from nag_lightning.training.module import fused_adamw
 
 
 def build(residual: str, args: argparse.Namespace, **config) -> tuple[Transformer, torch.optim.Optimizer]:
@@ -39,9 +40,8 @@ def build(residual: str, args: argparse.Namespace, **config) -> tuple[Transforme
     )
     model = Transformer(cfg).to(args.device)
     model.strategy.project_weights(model)
-    # fused, as training's optimizer is wherever Lightning allows it (`training.module.fused_adamw`)
-    fused = torch.device(args.device).type in ("cpu", "cuda") or None
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    params = list(model.parameters())
+    return model, torch.optim.AdamW(params, lr=1e-4, fused=fused_adamw(params))  # as training's
 
 
 def autocast(args: argparse.Namespace):

@@ -35,16 +35,16 @@ from nag_lightning.tasks.evaluation import DifficultyScores, score_batch
 SCHEDULES = ("cosine", "wsd")
 
 
-def fused_adamw(params: list[Tensor], trainer: L.Trainer) -> bool | None:
+def fused_adamw(params: list[Tensor], clips_mixed_precision: bool = False) -> bool | None:
     """True where torch's fused AdamW takes these parameters: plain tensors on CPU or CUDA. It
     updates every parameter in one kernel, where the default on CPU loops over them op by op: at
     d_model 256 and 8 blocks on one CPU thread, 11 ms a step against 42 (docs/benchmarks.md,
-    "Speed under torch.compile"). FSDP2's sharded parameters (DTensors), other devices, and mixed
-    precision with gradient clipping (Lightning's mixed-precision plugin refuses to clip for an
-    optimizer that unscales gradients itself, as the fused one does) get the default (None)."""
+    "Speed under torch.compile"). FSDP2's sharded parameters (DTensors), other devices, and
+    `clips_mixed_precision` (Lightning's mixed-precision plugin refuses to clip gradients for an
+    optimizer that unscales them itself, as the fused one does) get the default (None)."""
     from torch.distributed.tensor import DTensor
 
-    if "mixed" in str(trainer.precision) and trainer.gradient_clip_val:
+    if clips_mixed_precision:
         return None
     plain = all(p.device.type in ("cpu", "cuda") and not isinstance(p, DTensor) for p in params)
     return True if plain and params else None
@@ -304,7 +304,9 @@ class LanguageModel(L.LightningModule):
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=tuple(hp.betas), fused=fused_adamw(decay + no_decay, self.trainer),
+            lr=hp.lr, betas=tuple(hp.betas),
+            fused=fused_adamw(decay + no_decay, "mixed" in str(self.trainer.precision)
+                              and bool(self.trainer.gradient_clip_val)),
         )
         total = max(self.trainer.estimated_stepping_batches, 1)
         if hp.schedule == "cosine":
