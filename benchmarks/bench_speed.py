@@ -13,9 +13,10 @@ machine's load hit all alike, and reports medians; one thread, `torch.set_num_th
     mod     NAG unrouted, top-k (capacity 0.75) and threshold (target 25%) on every sublayer, eager
             and compiled: the FLOPs saved (`nag_lightning.model.flops.count_model`, training = 3 x
             forward), the time saved, their ratio, and the graphs dynamo compiled after step 4
-    write   one NAG write alone (the default gated angle, batch x sequence rows, d_model 128 and
-            256), forward and forward + backward, the PyTorch reference against the write that
-            inductor compiled, beside pre-norm's residual add and RMSNorm on the same rows
+    write   one NAG write alone (the default gated angle, its gate included; batch x sequence
+            rows, d_model 128 and 256), forward and forward + backward, the PyTorch reference
+            against the write that inductor compiled, beside pre-norm's residual add and RMSNorm
+            on the same rows
 
 A training step is forward, backward and AdamW (`bench_residual_step.step`), sequence 256, batch 8.
 """
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from bench_residual_step import build, step
 
-from nag_kernels import nag_write
+from nag_kernels import gated_nag_write
 from nag_lightning.model.compile import compile_model
 from nag_lightning.model.flops import count_model
 
@@ -144,14 +145,16 @@ def mod_section(args: argparse.Namespace) -> None:
 
 
 def nag_write_call(tensors: tuple, grad: torch.Tensor, theta_max: float, backend: str, backward: bool):
-    """One gated NAG write of `tensors` (u, f, rho, angle, alpha, beta) by `backend`, as a call;
-    with `backward` it also runs the backward of (u', rho') with gradients (grad, 1)."""
+    """One gated NAG write of `tensors` (u, f, rho, gate_w, gate_b, alpha, beta), its angle from
+    the gate included, by `backend`, as a call; with `backward` it also runs the backward of
+    (u', rho') with gradients (grad, 1)."""
     leaves = [t.clone().requires_grad_(backward) for t in tensors]
 
     def run() -> None:
-        u, f, rho, angle, alpha, beta = leaves
-        u_new, rho_new, _, _ = nag_write(u, f, rho, angle / theta_max, alpha, beta, theta_max,
-                                         backend=backend, angle=angle)
+        u, f, rho, gate_w, gate_b, alpha, beta = leaves
+        gain = math.sqrt(u.shape[-1])
+        u_new, rho_new, _, _ = gated_nag_write(u, f, rho, None, alpha, beta, theta_max, gate_w, gate_b, gain,
+                                               backend=backend)
         if backward:
             torch.autograd.backward((u_new, rho_new), (grad, torch.ones_like(rho_new)))
             for leaf in leaves:
@@ -187,8 +190,8 @@ def write_section(args: argparse.Namespace) -> None:
         rows = (args.batch, args.seq_len)
         u = F.normalize(torch.randn(*rows, d, generator=gen), dim=-1)
         f, x = torch.randn(*rows, d, generator=gen), torch.randn(*rows, d, generator=gen)
-        rho, angle = torch.zeros(rows), theta_max * torch.rand(rows, generator=gen)
-        nag_tensors = (u, f, rho, angle, torch.tensor(1.0), torch.tensor(0.5))
+        rho, gate_w = torch.zeros(rows), torch.randn(d, generator=gen) / d
+        nag_tensors = (u, f, rho, gate_w, torch.tensor(0.0), torch.tensor(1.0), torch.tensor(0.5))
         grad = torch.randn(*rows, d, generator=gen)
         for backward in (False, True):
             calls = {"prenorm": prenorm_write_call((x, f, torch.ones(d)), grad, backward),

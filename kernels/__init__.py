@@ -16,8 +16,8 @@ import torch
 from .reference import BOUNDS, nag_write_reference, tangent_cutoff
 
 __all__ = [
-    "BACKENDS", "BOUNDS", "nag_write", "nag_write_backward_op", "nag_write_op", "nag_write_reference",
-    "tangent_cutoff",
+    "BACKENDS", "BOUNDS", "gated_angle", "gated_nag_write", "nag_write", "nag_write_backward_op",
+    "nag_write_op", "nag_write_reference", "tangent_cutoff",
 ]
 
 BACKENDS = ("auto", "triton", "inductor", "torch")
@@ -33,6 +33,7 @@ except ImportError:  # no triton on this machine: the reference still works
     _triton_ops = None
 
 from . import compiled as _compiled  # noqa: E402
+from .gated import GatedNagWrite, gated_angle  # noqa: E402
 from .ops import TracedNagWrite, nag_write_backward_op, nag_write_op  # noqa: E402  (after the submodule, see above)
 
 
@@ -57,6 +58,23 @@ def _check_shapes(u, f, rho, g, gamma_next) -> None:
         raise ValueError(f"g must broadcast to rho's shape {tuple(rho.shape)}, got {tuple(g.shape)}.")
     if gamma_next is not None and gamma_next.shape != u.shape[-1:]:
         raise ValueError(f"gamma_next must have shape ({u.shape[-1]},), got {tuple(gamma_next.shape)}.")
+
+
+def _resolve(backend: str, u: torch.Tensor, f: torch.Tensor) -> str:
+    """The backend that `backend` means for a write of u and f (see BACKENDS)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown nag_write backend {backend!r}; valid choices: {', '.join(BACKENDS)}.")
+    if backend == "auto":
+        use_triton = (
+            u.is_cuda
+            and u.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and f.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and _triton_ops is not None
+        )
+        backend = "triton" if use_triton else "inductor" if _compiled.usable(u) else "torch"
+    if backend == "triton" and _triton_ops is None:
+        raise ImportError("backend='triton' needs the triton package, which is not installed.")
+    return backend
 
 
 def nag_write(
@@ -94,8 +112,6 @@ def nag_write(
         (u_new, rho_new, theta, h_next): u_new, h_next (None without gamma_next) in u.dtype;
         rho_new and the signed angle theta, shape (...,), in rho.dtype.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"Unknown nag_write backend {backend!r}; valid choices: {', '.join(BACKENDS)}.")
     if not theta_max > 0:
         raise ValueError(f"theta_max must be positive, got {theta_max}.")
     if bound not in BOUNDS:
@@ -112,16 +128,7 @@ def nag_write(
             )
         angle = angle.expand(rho.shape)
 
-    if backend == "auto":
-        use_triton = (
-            u.is_cuda
-            and u.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and f.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and _triton_ops is not None
-        )
-        backend = "triton" if use_triton else "inductor" if _compiled.usable(u) else "torch"
-    if backend == "triton" and _triton_ops is None:
-        raise ImportError("backend='triton' needs the triton package, which is not installed.")
+    backend = _resolve(backend, u, f)
     if backend in ("torch", "inductor"):
         # ordinary tensor operations that torch.compile fuses with the sublayer's neighbouring
         # kernels, where the operator would be one opaque node (ops.py); in eager mode, the same
@@ -135,3 +142,54 @@ def nag_write(
         u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound, backend == "triton", angle
     )
     return u_new, rho_new, theta, None if gamma_next is None else h_next
+
+
+def gated_nag_write(
+    u: torch.Tensor,
+    f: torch.Tensor,
+    rho: torch.Tensor,
+    g: torch.Tensor | None,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    theta_max: float,
+    gate_w: torch.Tensor,
+    gate_b: torch.Tensor,
+    gain: float,
+    radial: bool = True,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One NAG write turned by the gated angle, angle = theta_max * sigmoid(gain <u, gate_w> +
+    gate_b) * g per row (gated.py), the angle computed inside the compiled write where `nag_write`
+    would compile the write (eager, CPU), else in PyTorch and given to `nag_write`.
+
+    Args as in `nag_write`, and:
+        gate_w: the gate's weights, shape (d,); gate_b: its bias, a 0-dim tensor.
+        gain: the scale of <u, gate_w> (sqrt(d) in the model: u has unit norm).
+        radial: angle / theta_max also gates the radial update (rho's), in place of g.
+
+    Returns:
+        (u_new, rho_new, theta, angle): as `nag_write`'s without h_next, and the angle each row
+        was given (fp32, shape (...,)), which carries gradient to the gate and to g.
+    """
+    backend = _resolve(backend, u, f)
+    if not theta_max > 0:
+        raise ValueError(f"theta_max must be positive, got {theta_max}.")
+    _check_shapes(u, f, rho, g, None)
+    if gate_w.shape != u.shape[-1:] or gate_b.numel() != 1:
+        raise ValueError(
+            f"gate_w must have shape ({u.shape[-1]},) and gate_b one element; got {tuple(gate_w.shape)} "
+            f"and {tuple(gate_b.shape)}."
+        )
+    alpha = _as_scalar(alpha, u, "alpha")
+    beta = _as_scalar(beta, u, "beta")
+    if g is not None and g.shape != rho.shape:
+        g = g.expand(rho.shape)
+    if backend == "inductor" and not torch.compiler.is_compiling():
+        settings = (float(theta_max), "tanh", float(gain), radial)  # bound: unused with a given angle
+        return GatedNagWrite.apply(u, f, rho, g, alpha, beta, gate_w, gate_b.reshape(()), *settings)
+    base = gated_angle(u, gate_w, gate_b, theta_max, gain)
+    angle = base if g is None else base * g.float()
+    u_new, rho_new, theta, _ = nag_write(
+        u, f, rho, angle / theta_max if radial else g, alpha, beta, theta_max, backend=backend, angle=angle
+    )
+    return u_new, rho_new, theta, angle

@@ -5,7 +5,8 @@ tensors, forward and backward, where pre-norm's residual add and norm take four:
 5-13% of a training step (docs/benchmarks.md). No eager PyTorch operation fuses them, so here
 inductor compiles the reference's forward and `reference_backward`'s formulas, each as a function
 of its own (`dynamic=True`: one compilation serves every batch and sequence length), into a few
-fused loops. The model itself stays eager; only these two functions are compiled.
+fused loops; the gated NAG's write (`gated.py`) compiles its angle's formulas with them. The
+model itself stays eager; only these functions are compiled.
 
 The first call in a process compiles (about half a minute with a cold cache, a few seconds with
 inductor's on-disk cache warm), so `nag_kernels.nag_write` takes this path only for writes of at
@@ -22,9 +23,6 @@ from collections.abc import Callable
 
 import torch
 
-from .reference import nag_write_reference
-from .reference_backward import nag_write_reference_backward
-
 MIN_ELEMENTS = 1 << 16
 """Writes of fewer elements (rows x d) run the reference: below it, a model trains too briefly
 for the one-time compilation to pay."""
@@ -36,7 +34,7 @@ it into the (rows, d) loops, which recompute such scalars for every vector of th
 forward and backward at (2048, 128) took 0.54 and 0.60 ms with inductor's default (4), 0.51 and
 0.48 with this."""
 
-_compiled: tuple[Callable, Callable] | None = None
+_compiled: dict[Callable, Callable] = {}
 _failed = False
 
 
@@ -53,25 +51,17 @@ def usable(u: torch.Tensor) -> bool:
     )
 
 
-def functions() -> tuple[Callable, Callable]:
-    """(forward, backward): `nag_write_reference` and `nag_write_reference_backward` compiled;
-    created on first use, so importing the package does not import the compiler."""
-    global _compiled
-    if _compiled is None:
-        _compiled = tuple(
-            torch.compile(fn, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
-            for fn in (nag_write_reference, nag_write_reference_backward)
-        )
-    return _compiled
-
-
-def call(which: int, *args, **kwargs):
-    """Run compiled function `which` (0 forward, 1 backward); on a compilation failure, warn once
-    and run the reference from then on."""
+def call(fn: Callable, *args, **kwargs):
+    """Run `fn` (a write's forward or backward formulas: `nag_write_reference`,
+    `nag_write_reference_backward`, or the gated write's in `gated.py`) compiled, each function
+    once, on first use, so importing the package does not import the compiler; on a compilation
+    failure, warn once and run every function as written from then on."""
     global _failed
     if not _failed:
         try:
-            return functions()[which](*args, **kwargs)
+            if fn not in _compiled:
+                _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
+            return _compiled[fn](*args, **kwargs)
         except Exception as error:  # noqa: BLE001  (any compiler failure: the reference is exact)
             _failed = True
             warnings.warn(
@@ -81,4 +71,4 @@ def call(which: int, *args, **kwargs):
                 "to get the fused write, or pass kernel='torch' to silence this.",
                 stacklevel=3,
             )
-    return (nag_write_reference, nag_write_reference_backward)[which](*args, **kwargs)
+    return fn(*args, **kwargs)

@@ -171,7 +171,7 @@ class TracedNagWrite(torch.autograd.Function):
         with torch.autocast(u.device.type, enabled=False):  # the write computes in fp32 itself
             args = (u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, True)
             if compiled:
-                outs, rows = _compiled.call(0, *args, angle=angle)
+                outs, rows = _compiled.call(nag_write_reference, *args, angle=angle)
             else:
                 outs, rows = nag_write_reference(*args, angle=angle)
         ctx.save_for_backward(u, f, g, alpha, beta, gamma_next, rows, angle)
@@ -192,7 +192,7 @@ class TracedNagWrite(torch.autograd.Function):
                 grad_u, grad_rho, grad_theta, None if gamma_next is None else grad_h)
         with torch.autocast(u.device.type, enabled=False):
             if ctx.compiled:
-                grads = _compiled.call(1, *args, rows=rows, angle=angle)
+                grads = _compiled.call(nag_write_reference_backward, *args, rows=rows, angle=angle)
             else:
                 grads = nag_write_reference_backward(*args, rows=rows, angle=angle)
         du, df, dg, dalpha, dbeta, dgamma, dangle = grads

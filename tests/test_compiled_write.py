@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from nag_kernels import nag_write
+from nag_kernels import gated_nag_write, nag_write
 from tests.test_kernels import leaves, loss_of, make_inputs
 
 compiled = sys.modules["nag_kernels.compiled"]
@@ -53,7 +53,8 @@ def test_compilation_failure_falls_back_to_reference_with_one_warning(monkeypatc
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(compiled, "_compiled", (broken, broken))
+    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: broken)  # fails on the first call
     monkeypatch.setattr(compiled, "_failed", False)
     inputs = make_inputs((3, 5), 16, torch.float32)
     want_outs, want_grads = values_and_grads(inputs, "torch")
@@ -65,3 +66,28 @@ def test_compilation_failure_falls_back_to_reference_with_one_warning(monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once is enough
         values_and_grads(inputs, "inductor")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["router gate", "no router"])
+@pytest.mark.parametrize("radial", [True, False], ids=["radial gated", "radial by g"])
+def test_gated_write_compiled_with_its_angle_matches_the_angle_given_to_the_reference(gated, radial):
+    """The gated NAG's write with the angle's formulas compiled into it (eager CPU) has the values
+    and gradients (u, f, rho, g, alpha, beta, the gate's weights and bias) of the angle computed
+    in PyTorch and given to the reference write, with every output reaching the loss."""
+    inputs = make_inputs((4, 33), 64, torch.float32, gamma=False, gate=gated)
+    gen = torch.Generator().manual_seed(2)
+    inputs |= {"gate_w": 0.1 * torch.randn(64, generator=gen), "gate_b": torch.tensor(0.3)}
+    del inputs["gamma_next"]
+
+    def values_and_grads(backend):
+        x = leaves(inputs, "cpu")
+        outs = gated_nag_write(**x, gain=8.0, radial=radial, backend=backend)
+        weights = [torch.linspace(-1, 1, o.numel()).view(o.shape) for o in outs]
+        tensors = [v for v in x.values() if isinstance(v, torch.Tensor)]
+        return outs, torch.autograd.grad(loss_of(outs, weights), tensors)
+
+    want_outs, want_grads = values_and_grads("torch")
+    got_outs, got_grads = values_and_grads("inductor")
+    assert not compiled._failed
+    for got, want in zip([*got_outs, *got_grads], [*want_outs, *want_grads]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

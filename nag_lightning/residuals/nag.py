@@ -40,7 +40,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from nag_kernels import BACKENDS, BOUNDS, nag_write
+from nag_kernels import BACKENDS, BOUNDS, gated_angle, gated_nag_write, nag_write
 from nag_lightning.residuals import RESIDUALS, ResidualStrategy, State
 
 ANGLES = ("magnitude", "gate")
@@ -224,8 +224,7 @@ class NAGResidual(ResidualStrategy):
     def gate_angle(self, u: Tensor, index: int) -> Tensor:
         """The gated angle of every token before any router's gate, (...,) in fp32: known from the
         token's own direction before the sublayer runs."""
-        score = math.sqrt(self.d_model) * (u.float() @ self.gate_w[index].float()) + self.gate_b[index]
-        return self.theta_max * torch.sigmoid(score)
+        return gated_angle(u, self.gate_w[index], self.gate_b[index], self.theta_max, math.sqrt(self.d_model))
 
     @property
     def plans_angle(self) -> bool:
@@ -238,18 +237,15 @@ class NAGResidual(ResidualStrategy):
         return self.gate_angle(state[0], index).detach()
 
     def _gated_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
-        theta = self.gate_angle(u, index)
-        if gate is not None:
-            theta = theta * gate.float()
-        if self.angle_cost and self.training:
-            turned = theta.sum() / self.theta_max
-            self._turned = turned if self._turned is None else self._turned + turned
-        # With a given angle the write's gate scales only the radial update.
-        radial_gate = theta / self.theta_max if self.gate_radial else gate
-        u_new, rho_new, theta, _ = nag_write(
-            u, f, rho, radial_gate, self.alpha[index], self.beta[index], self.theta_max,
-            backend=self.kernel, angle=theta,
+        # With a given angle the write's gate scales only the radial update: by the angle's share
+        # of the bound (gate_radial), or by the router's gate.
+        u_new, rho_new, theta, angle = gated_nag_write(
+            u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max, self.gate_w[index],
+            self.gate_b[index], math.sqrt(self.d_model), radial=self.gate_radial, backend=self.kernel,
         )  # fmt: skip
+        if self.angle_cost and self.training:
+            turned = angle.sum() / self.theta_max
+            self._turned = turned if self._turned is None else self._turned + turned
         return (u_new, rho_new), theta.detach().abs()
 
     def aux_loss(self) -> Tensor | None:
