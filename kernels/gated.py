@@ -92,9 +92,16 @@ class GatedNagWrite(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, f, rho, g, alpha, beta, w, b, theta_max, bound, gain, radial):
+        # The compiled functions see detached tensors, a gate of ones for none and zeros for an
+        # unused gradient, so that they are compiled for the few variants that change their
+        # formulas (radial, dtypes), not for every combination of requires_grad and None:
+        # dynamo compiles a function at most 8 times, then runs it uncompiled.
+        ctx.g_given = g is not None
+        g = torch.ones_like(rho, dtype=torch.float) if g is None else g
+        inputs = [t.detach() for t in (u, f, rho, g, alpha, beta)]
         with torch.autocast(u.device.type, enabled=False):  # the write computes in fp32 itself
             outs, rows, base = _compiled.call(
-                gated_write_forward, u, f, rho, g, alpha, beta, theta_max, bound, w, b, gain, radial
+                gated_write_forward, *inputs, theta_max, bound, w.detach(), b.detach(), gain, radial
             )
         ctx.save_for_backward(u, f, g, alpha, beta, w, b, base, rows)
         ctx.settings = (theta_max, bound, gain, radial)
@@ -104,16 +111,20 @@ class GatedNagWrite(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_u, grad_rho, grad_theta, grad_angle):
-        u, f, g, alpha, beta, w, b, base, rows = ctx.saved_tensors
+        u, f, g, alpha, beta, w, b, base, rows = (t.detach() for t in ctx.saved_tensors)
         theta_max, bound, gain, radial = ctx.settings
-        # zeros for unused outputs: one compiled graph whichever outputs reach the loss
-        grad_u = torch.zeros_like(u) if grad_u is None else grad_u
-        grad_theta = torch.zeros_like(base) if grad_theta is None else grad_theta
-        grad_angle = torch.zeros_like(base) if grad_angle is None else grad_angle
+        zeros = torch.zeros_like(base)
+        grads = (
+            torch.zeros_like(u) if grad_u is None else grad_u,
+            zeros if grad_rho is None else grad_rho,
+            zeros if grad_theta is None else grad_theta,
+            zeros if grad_angle is None else grad_angle,
+        )  # fmt: skip
         with torch.autocast(u.device.type, enabled=False):
             du, df, dg, dalpha, dbeta, dw, db = _compiled.call(
                 gated_write_backward, u, f, g, alpha, beta, theta_max, bound, w, b, gain, radial, base,
-                rows, grad_u, grad_rho, grad_theta, grad_angle,
+                rows, *grads,
             )  # fmt: skip
         drho = None if grad_rho is None else grad_rho.to(ctx.rho_dtype)
+        dg = dg if ctx.g_given else None
         return du, df, drho, dg, dalpha, dbeta, dw, db, None, None, None, None

@@ -57,6 +57,10 @@ def _absent(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
+def _detached(values: tuple) -> tuple:
+    return tuple(v.detach() if isinstance(v, Tensor) else v for v in values)
+
+
 def _need_triton() -> None:
     if _fused_forward is None:
         raise ImportError("backend='triton' needs the triton package, which is not installed.")
@@ -171,6 +175,8 @@ class TracedNagWrite(torch.autograd.Function):
         with torch.autocast(u.device.type, enabled=False):  # the write computes in fp32 itself
             args = (u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, True)
             if compiled:
+                # detached: a compiled function is not compiled again for each requires_grad (gated.py)
+                args, angle = _detached(args), _detached((angle,))[0]
                 outs, rows = _compiled.call(nag_write_reference, *args, angle=angle)
             else:
                 outs, rows = nag_write_reference(*args, angle=angle)
@@ -192,6 +198,7 @@ class TracedNagWrite(torch.autograd.Function):
                 grad_u, grad_rho, grad_theta, None if gamma_next is None else grad_h)
         with torch.autocast(u.device.type, enabled=False):
             if ctx.compiled:
+                args, rows, angle = _detached(args), rows.detach(), _detached((angle,))[0]
                 grads = _compiled.call(nag_write_reference_backward, *args, rows=rows, angle=angle)
             else:
                 grads = nag_write_reference_backward(*args, rows=rows, angle=angle)

@@ -91,3 +91,30 @@ def test_gated_write_compiled_with_its_angle_matches_the_angle_given_to_the_refe
     assert not compiled._failed
     for got, want in zip([*got_outs, *got_grads], [*want_outs, *want_grads]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_gated_write_compiles_once_whatever_the_gate_gradients_and_sizes():
+    """A process that trains several models (a benchmark, a sweep) calls the compiled write with
+    and without a router's gate, with and without gradients, at several widths and bounds: one
+    compilation of its forward and one of its backward serve them all. Dynamo compiles a function
+    at most 8 times and then runs it uncompiled, which made a whole run's writes several times
+    slower."""
+
+    def write(d, theta_max, gated, grad):
+        gen = torch.Generator().manual_seed(d)
+        u = torch.nn.functional.normalize(torch.randn(6, d, generator=gen), dim=-1)
+        tensors = [u, torch.randn(6, d, generator=gen), torch.zeros(6), torch.tensor(1.0),
+                   torch.tensor(0.5), 0.1 * torch.randn(d, generator=gen), torch.tensor(0.0)]
+        u, f, rho, alpha, beta, w, b = (t.requires_grad_(grad) for t in tensors)
+        g = torch.rand(6, generator=gen) if gated else None
+        with torch.set_grad_enabled(grad):
+            outs = gated_nag_write(u, f, rho, g, alpha, beta, theta_max, w, b, d**0.5, backend="inductor")
+            if grad:
+                sum(o.sum() for o in outs).backward()
+
+    write(16, 0.5, False, True)  # compiles the forward and the backward
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for d, theta_max, gated, grad in [(16, 0.5, True, True), (32, 1.5, False, True), (32, 1.5, True, False)]:
+        write(d, theta_max, gated, grad)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
+    assert not compiled._failed
