@@ -60,6 +60,15 @@ def _check_shapes(u, f, rho, g, gamma_next) -> None:
         raise ValueError(f"gamma_next must have shape ({u.shape[-1]},), got {tuple(gamma_next.shape)}.")
 
 
+def _checked(u, f, rho, g, alpha, beta, gamma_next) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(g, alpha, beta) of a write whose shapes are checked: g expanded to rho's shape (autograd
+    sums its gradient back to g's own shape), alpha and beta as 0-dim tensors."""
+    _check_shapes(u, f, rho, g, gamma_next)
+    if g is not None and g.shape != rho.shape:
+        g = g.expand(rho.shape)
+    return g, _as_scalar(alpha, u, "alpha"), _as_scalar(beta, u, "beta")
+
+
 def _resolve(backend: str, u: torch.Tensor, f: torch.Tensor) -> str:
     """The backend that `backend` means for a write of u and f (see BACKENDS)."""
     if backend not in BACKENDS:
@@ -116,11 +125,7 @@ def nag_write(
         raise ValueError(f"theta_max must be positive, got {theta_max}.")
     if bound not in BOUNDS:
         raise ValueError(f"Unknown bound {bound!r}; valid choices: {', '.join(BOUNDS)}.")
-    _check_shapes(u, f, rho, g, gamma_next)
-    alpha = _as_scalar(alpha, u, "alpha")
-    beta = _as_scalar(beta, u, "beta")
-    if g is not None and g.shape != rho.shape:
-        g = g.expand(rho.shape)  # autograd sums the gradient back to g's own shape
+    g, alpha, beta = _checked(u, f, rho, g, alpha, beta, gamma_next)
     if angle is not None:
         if torch.broadcast_shapes(angle.shape, rho.shape) != rho.shape:
             raise ValueError(
@@ -174,16 +179,12 @@ def gated_nag_write(
     backend = _resolve(backend, u, f)
     if not theta_max > 0:
         raise ValueError(f"theta_max must be positive, got {theta_max}.")
-    _check_shapes(u, f, rho, g, None)
+    g, alpha, beta = _checked(u, f, rho, g, alpha, beta, None)
     if gate_w.shape != u.shape[-1:] or gate_b.numel() != 1:
         raise ValueError(
             f"gate_w must have shape ({u.shape[-1]},) and gate_b one element; got {tuple(gate_w.shape)} "
             f"and {tuple(gate_b.shape)}."
         )
-    alpha = _as_scalar(alpha, u, "alpha")
-    beta = _as_scalar(beta, u, "beta")
-    if g is not None and g.shape != rho.shape:
-        g = g.expand(rho.shape)
     if backend == "inductor" and not torch.compiler.is_compiling():
         settings = (float(theta_max), "tanh", float(gain), radial)  # bound: unused with a given angle
         return GatedNagWrite.apply(u, f, rho, g, alpha, beta, gate_w, gate_b.reshape(()), *settings)
