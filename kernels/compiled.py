@@ -4,9 +4,10 @@ In eager mode PyTorch runs the reference write as about thirty separate passes o
 tensors, forward and backward, where pre-norm's residual add and norm take four: on CPU that was
 5-13% of a training step (docs/benchmarks.md). No eager PyTorch operation fuses them, so here
 inductor compiles the reference's forward and `reference_backward`'s formulas, each as a function
-of its own (`dynamic=True`: one compilation serves every batch and sequence length), into a few
-fused loops; the gated NAG's write (`gated.py`) compiles its angle's formulas with them. The
-model itself stays eager; only these functions are compiled.
+of its own (traced with symbolic sizes: one compilation serves every batch and sequence length),
+into a few fused loops; the gated NAG's write (`gated.py`) compiles its angle's formulas with
+them. The model itself stays eager; only these functions are compiled, and they are called
+without dynamo (`_Variant`): at a write's sizes its per-call work was a tenth of the write.
 
 The first call in a process compiles (about half a minute with a cold cache, a few seconds with
 inductor's on-disk cache warm), so `nag_kernels.nag_write` takes this path only for writes of at
@@ -18,6 +19,7 @@ same functions' either way, only their rounding differs.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 
@@ -34,7 +36,11 @@ it into the (rows, d) loops, which recompute such scalars for every vector of th
 forward and backward at (2048, 128) took 0.54 and 0.60 ms with inductor's default (4), 0.51 and
 0.48 with this."""
 
-_compiled: dict[Callable, Callable] = {}
+MAX_VARIANTS = 8
+"""Variants compiled per function and setting (a dimension of 1, other strides); a function
+called in more shapes than that runs uncompiled in the others."""
+
+_compiled: dict[tuple, list[_Variant]] = {}
 _failed = False
 
 
@@ -51,24 +57,120 @@ def usable(u: torch.Tensor) -> bool:
     )
 
 
+class _Variant:
+    """One function compiled for one setting (its non-tensor arguments), its tensors' dtypes and
+    dimensions, and the sizes and strides `accepts` admits.
+
+    Traced with symbolic sizes (`make_fx`) and compiled by `torch._inductor.standalone_compile`,
+    it is called directly: no dynamo frame, guard tree or runtime wrappers, which cost about
+    0.1 ms a call, a tenth of a write at 2048 rows of 128 (docs/benchmarks.md). What dynamo's
+    guards would check, `accepts` checks: the tracing's conditions on the sizes and strides
+    (sizes that must agree, contiguous strides, a dimension traced as 1 or as more), in torch's
+    own expression of them."""
+
+    def __init__(self, fn: Callable, values: tuple, names: tuple[str, ...]) -> None:
+        # imported here: importing the package does not import the compiler
+        import torch.fx.experimental._config as fx_config
+        from torch.fx.experimental.proxy_tensor import make_fx
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+        slots = [i for i, value in enumerate(values) if isinstance(value, torch.Tensor)]
+        template = [None if i in slots else value for i, value in enumerate(values)]  # holds no tensor
+        positional = len(values) - len(names)
+        self.structure = None
+
+        def flat(*tensors: torch.Tensor) -> list[torch.Tensor]:
+            given = list(template)
+            for slot, tensor in zip(slots, tensors):
+                given[slot] = tensor
+            outs: list[torch.Tensor] = []
+            self.structure = _structure(fn(*given[:positional], **dict(zip(names, given[positional:]))), outs)
+            return outs
+
+        # make_fx makes one input of each parameter the signature names, and none of *tensors
+        flat.__signature__ = inspect.Signature(
+            [inspect.Parameter(f"t{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD) for i in range(len(slots))]
+        )
+        # Traced on stand-ins of the same sizes and strides at storage offset 0: the compiled code
+        # reads each input from its data pointer, so where a tensor starts in its storage (one
+        # layer's row of a parameter) does not matter and is not a condition.
+        tensors = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            for t in (values[i] for i in slots)
+        ]
+        # equal sizes stay separate symbols unless the formulas need them equal
+        with fx_config.patch(use_duck_shape=False):
+            graph = make_fx(flat, tracing_mode="symbolic")(*tensors)
+        inputs = [node.meta["val"] for node in graph.graph.nodes if node.op == "placeholder"]
+        shape_env = next(t.fake_mode.shape_env for t in inputs if isinstance(t, torch.Tensor))
+        condition = shape_env.produce_guards_expression(inputs, ignore_static=False) or "True"
+        terms = [term for term in condition.split(" and ") if "storage_offset()" not in term]
+        # evaluated as `ShapeEnv.evaluate_guards_expression` does, over inputs named t0, t1, ... in L
+        self.accepts = eval(f"lambda L: {' and '.join(terms) or 'True'}", dict(SYMPY_INTERP))  # noqa: S307
+        self.run = torch._inductor.standalone_compile(
+            graph, tensors, dynamic_shapes="from_graph", options={"config_patches": INDUCTOR_OPTIONS}
+        )
+
+    def __call__(self, tensors: list[torch.Tensor]):
+        return _rebuild(self.structure, self.run(*tensors))
+
+
+def _structure(value, tensors: list[torch.Tensor]):
+    """`value` (tensors in nested tuples, None and constants) with each tensor appended to
+    `tensors` and replaced by its index there, a `_Slot`."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _Slot(len(tensors) - 1)
+    if isinstance(value, tuple | list):
+        return tuple(_structure(v, tensors) for v in value)
+    return value
+
+
+def _rebuild(structure, tensors: list[torch.Tensor]):
+    if isinstance(structure, _Slot):
+        return tensors[structure]
+    if isinstance(structure, tuple):
+        return tuple(_rebuild(s, tensors) for s in structure)
+    return structure
+
+
+class _Slot(int):
+    """An output tensor's index among the compiled function's outputs."""
+
+
 def call(fn: Callable, *args, **kwargs):
     """Run `fn` (a write's forward or backward formulas: `nag_write_reference`,
-    `nag_write_reference_backward`, or the gated write's in `gated.py`) compiled, each function
-    once, on first use, so importing the package does not import the compiler; on a compilation
-    failure, warn once and run every function as written from then on."""
+    `nag_write_reference_backward`, or the gated write's in `gated.py`) compiled: once per setting
+    and shape variant, on first use, so importing the package does not import the compiler. On a
+    compilation failure, warn once and run every function as written from then on. Its tensors
+    must not need gradients (the compiled code records no autograd graph); its arguments are
+    tensors, None and constants, its outputs tensors, None and constants in tuples."""
     global _failed
-    if not _failed:
-        try:
-            if fn not in _compiled:
-                _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
-            return _compiled[fn](*args, **kwargs)
-        except Exception as error:  # noqa: BLE001  (any compiler failure: the reference is exact)
-            _failed = True
-            warnings.warn(
-                f"The NAG write could not be compiled for CPU ({type(error).__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''}); it runs the PyTorch reference "
-                "from now on, at the same values but slower. Install a C++ compiler (g++ or clang++) "
-                "to get the fused write, or pass kernel='torch' to silence this.",
-                stacklevel=3,
-            )
+    if _failed:
+        return fn(*args, **kwargs)
+    values = (*args, *kwargs.values())
+    tensors = [value for value in values if isinstance(value, torch.Tensor)]
+    setting = (fn, tuple(kwargs), *(
+        (v.dtype, v.device, v.dim()) if isinstance(v, torch.Tensor) else v for v in values
+    ))  # fmt: skip
+    variants = _compiled.setdefault(setting, [])
+    given = {f"t{i}": tensor for i, tensor in enumerate(tensors)}
+    for variant in variants:
+        if variant.accepts(given):
+            return variant(tensors)
+    if len(variants) >= MAX_VARIANTS:
+        return fn(*args, **kwargs)
+    try:
+        variant = _Variant(fn, values, tuple(kwargs))
+        variants.append(variant)
+        return variant(tensors)
+    except Exception as error:  # noqa: BLE001  (any compiler failure: the reference is exact)
+        _failed = True
+        warnings.warn(
+            f"The NAG write could not be compiled for CPU ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); it runs the PyTorch reference "
+            "from now on, at the same values but slower. Install a C++ compiler (g++ or clang++) "
+            "to get the fused write, or pass kernel='torch' to silence this.",
+            stacklevel=3,
+        )
     return fn(*args, **kwargs)

@@ -54,7 +54,7 @@ def test_compilation_failure_falls_back_to_reference_with_one_warning(monkeypatc
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(compiled, "_compiled", {})
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: broken)  # fails on the first call
+    monkeypatch.setattr(torch._inductor, "standalone_compile", broken)  # fails on the first call
     monkeypatch.setattr(compiled, "_failed", False)
     inputs = make_inputs((3, 5), 16, torch.float32)
     want_outs, want_grads = values_and_grads(inputs, "torch")
@@ -93,28 +93,64 @@ def test_gated_write_compiled_with_its_angle_matches_the_angle_given_to_the_refe
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_gated_write_compiles_once_whatever_the_gate_gradients_and_sizes():
+def test_gated_write_compiles_once_per_setting_whatever_the_gate_gradients_and_sizes():
     """A process that trains several models (a benchmark, a sweep) calls the compiled write with
-    and without a router's gate, with and without gradients, at several widths and bounds: one
-    compilation of its forward and one of its backward serve them all. Dynamo compiles a function
-    at most 8 times and then runs it uncompiled, which made a whole run's writes several times
-    slower."""
+    and without a router's gate, with and without gradients, at several batch shapes and for
+    several layers (each its own row of the parameters): one
+    compiled forward and one compiled backward serve them all. Another width or bound is another
+    setting, compiled once more."""
 
-    def write(d, theta_max, gated, grad):
+    def write(d, theta_max, gated, grad, rows=(6,), layer=0):
         gen = torch.Generator().manual_seed(d)
-        u = torch.nn.functional.normalize(torch.randn(6, d, generator=gen), dim=-1)
-        tensors = [u, torch.randn(6, d, generator=gen), torch.zeros(6), torch.tensor(1.0),
+        u = torch.nn.functional.normalize(torch.randn(*rows, d, generator=gen), dim=-1)
+        tensors = [u, torch.randn(*rows, d, generator=gen), torch.zeros(rows), torch.tensor(1.0),
                    torch.tensor(0.5), 0.1 * torch.randn(d, generator=gen), torch.tensor(0.0)]
         u, f, rho, alpha, beta, w, b = (t.requires_grad_(grad) for t in tensors)
-        g = torch.rand(6, generator=gen) if gated else None
+        if layer:  # a layer's row of the model's parameters, as NAG's writes get them
+            alpha, w = torch.stack((alpha,) * 3)[layer], torch.stack((w,) * 3)[layer]
+        g = torch.rand(rows, generator=gen) if gated else None
         with torch.set_grad_enabled(grad):
             outs = gated_nag_write(u, f, rho, g, alpha, beta, theta_max, w, b, d**0.5, backend="inductor")
             if grad:
                 sum(o.sum() for o in outs).backward()
 
+    def variants():
+        return sum(len(v) for v in compiled._compiled.values())
+
     write(16, 0.5, False, True)  # compiles the forward and the backward
-    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for d, theta_max, gated, grad in [(16, 0.5, True, True), (32, 1.5, False, True), (32, 1.5, True, False)]:
-        write(d, theta_max, gated, grad)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
+    before = variants()
+    for gated, grad, rows, layer in [(True, True, (6,), 1), (False, False, (9,), 0), (True, True, (13,), 2)]:
+        write(16, 0.5, gated, grad, rows, layer)
+    assert variants() == before
+    write(32, 1.5, True, True)
+    assert variants() == before + 2
+    assert not compiled._failed
+
+
+@pytest.mark.parametrize("rows", [(1,), (2, 3), (3, 1700), (1, 5)], ids=lambda r: "x".join(map(str, r)))
+def test_compiled_write_serves_any_rows_and_strides(rows):
+    """One compiled variant is called directly, without dynamo's guards: it must refuse what it
+    was not traced for (a dimension of 1, more rows than inductor's size hints, strides of a
+    view) and compile another, never compute from a wrong layout; a layer's row of a parameter
+    starts anywhere in its storage."""
+    gen = torch.Generator().manual_seed(len(rows))
+    d = 16
+    x = {"u": torch.nn.functional.normalize(torch.randn(*rows, d, generator=gen), dim=-1),
+         "f": torch.randn(*rows, 2 * d, generator=gen)[..., ::2],  # a strided view
+         "rho": torch.randn(rows, generator=gen), "g": torch.rand(rows, generator=gen),
+         "alpha": torch.tensor([0.2, 0.7])[1], "beta": torch.tensor(0.3), "theta_max": 0.9,
+         "gate_w": 0.3 * torch.randn(3, d, generator=gen)[2], "gate_b": torch.tensor(0.1), "gain": 4.0}
+
+    def values_and_grads(backend):
+        given = {k: v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+        outs = gated_nag_write(**given, backend=backend)
+        weights = [torch.linspace(-1, 1, o.numel()).view(o.shape) for o in outs]
+        tensors = [v for v in given.values() if isinstance(v, torch.Tensor)]
+        return outs, torch.autograd.grad(loss_of(outs, weights), tensors)
+
+    want_outs, want_grads = values_and_grads("torch")
+    for _ in range(2):  # the second call finds the variant the first compiled
+        got_outs, got_grads = values_and_grads("inductor")
+        for got, want in zip([*got_outs, *got_grads], [*want_outs, *want_grads]):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert not compiled._failed
