@@ -578,5 +578,8 @@ class Transformer(nn.Module):
     def readout(self, state: State) -> Tensor:
         """Logits (..., vocab) of the residual state of any tokens (..., ...)."""
         features, scale = self.strategy.final(state)
-        logits = self.head(features.to(self.head.weight.dtype))
-        return logits if scale is None else logits * scale
+        if scale is not None:
+            # The head has no bias, so scaling its input scales the logits: one pass over
+            # (..., d_model) instead of over (..., vocab), forward and backward.
+            features = features * scale
+        return self.head(features.to(self.head.weight.dtype))

@@ -78,7 +78,9 @@ class ResidualStrategy(nn.Module):
         return None
 
     def final(self, state: State) -> tuple[Tensor, Tensor | None]:
-        """Features (..., d) for the LM head and a per-token logit scale (..., 1), or None."""
+        """Features (..., d) for the LM head and a per-token logit scale (..., 1), or None. The
+        head has no bias, so the model multiplies the features by the scale, the narrower of the
+        two wherever d < vocab."""
         raise NotImplementedError
 
     def state_norm(self, state: State) -> Tensor:
