@@ -104,9 +104,11 @@ class _Variant:
         inputs = [node.meta["val"] for node in graph.graph.nodes if node.op == "placeholder"]
         shape_env = next(t.fake_mode.shape_env for t in inputs if isinstance(t, torch.Tensor))
         condition = shape_env.produce_guards_expression(inputs, ignore_static=False) or "True"
-        terms = [term for term in condition.split(" and ") if "storage_offset()" not in term]
+        terms = condition.split(" and ")
+        if all(term.count("(") == term.count(")") for term in terms):  # a conjunction of whole terms
+            condition = " and ".join(term for term in terms if "storage_offset()" not in term) or "True"
         # evaluated as `ShapeEnv.evaluate_guards_expression` does, over inputs named t0, t1, ... in L
-        self.accepts = eval(f"lambda L: {' and '.join(terms) or 'True'}", dict(SYMPY_INTERP))  # noqa: S307
+        self.accepts = eval(f"lambda L: {condition}", dict(SYMPY_INTERP))  # noqa: S307
         self.run = torch._inductor.standalone_compile(
             graph, tensors, dynamic_shapes="from_graph", options={"config_patches": INDUCTOR_OPTIONS}
         )
