@@ -91,9 +91,10 @@ class _Variant:
         flat.__signature__ = inspect.Signature(
             [inspect.Parameter(f"t{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD) for i in range(len(slots))]
         )
-        # Traced on stand-ins of the same sizes and strides at storage offset 0: the compiled code
-        # reads each input from its data pointer, so where a tensor starts in its storage (one
-        # layer's row of a parameter) does not matter and is not a condition.
+        # Where a tensor starts in its storage (one layer's row of a parameter) does not matter:
+        # the compiled code reads each input from its data pointer. So the tracing sees stand-ins
+        # of the same sizes and strides at offset 0, and the offsets' conditions are dropped below;
+        # kept, each layer's row of alpha, beta and the gate would compile a variant of its own.
         tensors = [
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
             for t in (values[i] for i in slots)
