@@ -4,8 +4,9 @@ sizes, and how much of Mixture-of-Depths' FLOP saving shows up as step time.
     OMP_NUM_THREADS=1 python benchmarks/bench_speed.py               # every section, a few minutes
     OMP_NUM_THREADS=1 python benchmarks/bench_speed.py --sections mod --repeats 5
 
-Sections (each runs its variants alternated step by step in this one process, so drifts of the
-machine's load hit all alike, and reports medians; one thread, `torch.set_num_threads(1)`):
+Sections (each runs its variants alternated step by step in this one process, in an order
+shuffled every round, so drifts of the machine's load hit all alike, and reports medians; one
+thread, `torch.set_num_threads(1)`):
 
     small   NAG and pre-norm, eager, d_model 128, 2 blocks, 4 heads; and NAG without its gated angle
             (the magnitude angle) or without its norm-lane readout, to show what each costs
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import statistics
 import time
 
@@ -58,22 +60,35 @@ def graphs_compiled() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def alternate(runs: dict, args: argparse.Namespace, size: str, after_step=None) -> dict[str, list[float]]:
-    """Seconds per step of every (model, optimizer) in `runs`, one step of each in turn; the first
-    `args.warmup` rounds (compilation included) untimed. `after_step(name, model, round)` runs
-    after each step, outside the timing."""
+def alternate(
+    runs: dict, args: argparse.Namespace, size: str, after_step=None, after_round=None
+) -> dict[str, list[float]]:
+    """Seconds per step of every (model, optimizer) in `runs`, one step of each per round, in an
+    order shuffled every round; the first `args.warmup` rounds (compilation included) untimed.
+    `after_step(name, model, round)` runs after each step and `after_round(round)` after each
+    round, outside the timing.
+
+    Shuffled because a model's place in the round moves its step by 1-2% (the first one after
+    another model's step pays for what that one left in the caches and the allocator): in a fixed
+    order the same model, timed first and third in a round, ran 140.4 and 138.6 ms."""
     settings = step_args(args, size)
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (args.batch, args.seq_len + 1), generator=gen) for _ in range(4)]
+    order = random.Random(0)
+    names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(args.warmup + args.repeats):
-        for name, (model, optimizer) in runs.items():
+        order.shuffle(names)
+        for name in names:
+            model, optimizer = runs[name]
             start = time.perf_counter()
             step(model, optimizer, batches[i % len(batches)], settings)
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - start)
             if after_step is not None:
                 after_step(name, model, i)
+        if after_round is not None:
+            after_round(i)
     return times
 
 
@@ -118,15 +133,17 @@ def mod_section(args: argparse.Namespace) -> None:
     rates: dict[str, list[float]] = {name: [] for name in runs}
     graphs = {}
 
-    def count(name, model, i):
-        if i == SETTLED_STEP - 1 and name == next(reversed(runs)):
+    def settled(i):
+        if i == SETTLED_STEP - 1:
             graphs["settled"] = graphs_compiled()  # every model has run SETTLED_STEP steps
+
+    def count(name, model, i):
         if i >= args.warmup:
             counted = count_model(model, args.seq_len)
             flops[name].append(3 * counted.forward)
             rates[name].append(counted.mod_rate)
 
-    times = alternate(runs, args, "large", count)
+    times = alternate(runs, args, "large", count, settled)
     late = graphs_compiled() - graphs.get("settled", 0)
     print(f"\nmod: NAG, d_model 256, 8 blocks, 8 heads, every sublayer routed; median of {args.repeats} "
           f"steps after {args.warmup}; graphs compiled after step {SETTLED_STEP}: {late} "
