@@ -62,8 +62,8 @@ class _Variant:
     dimensions, and the sizes and strides `accepts` admits.
 
     Traced with symbolic sizes (`make_fx`) and compiled by `torch._inductor.standalone_compile`,
-    it is called directly: no dynamo frame, guard tree or runtime wrappers, which cost about
-    0.1 ms a call, a tenth of a write at 2048 rows of 128 (docs/benchmarks.md). What dynamo's
+    it is called directly: no dynamo frame, guard tree or runtime wrappers, whose fixed cost per
+    call was a sizeable share of a write at a model's sizes (docs/benchmarks.md). What dynamo's
     guards would check, `accepts` checks: the tracing's conditions on the sizes and strides
     (sizes that must agree, contiguous strides, a dimension traced as 1 or as more), in torch's
     own expression of them."""
@@ -120,7 +120,8 @@ class _Variant:
 
 def _structure(value, tensors: list[torch.Tensor]):
     """`value` (tensors in nested tuples, None and constants) with each tensor appended to
-    `tensors` and replaced by its index there, a `_Slot`."""
+    `tensors` and replaced by its index there, a `_Slot`. Not `torch.utils._pytree`: its flatten
+    and unflatten took a third of a small call's time."""
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return _Slot(len(tensors) - 1)

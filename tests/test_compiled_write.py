@@ -136,21 +136,23 @@ def test_compiled_write_serves_any_rows_and_strides(rows):
     gen = torch.Generator().manual_seed(len(rows))
     d = 16
     x = {"u": torch.nn.functional.normalize(torch.randn(*rows, d, generator=gen), dim=-1),
-         "f": torch.randn(*rows, 2 * d, generator=gen)[..., ::2],  # a strided view
-         "rho": torch.randn(rows, generator=gen), "g": torch.rand(rows, generator=gen),
-         "alpha": torch.tensor([0.2, 0.7])[1], "beta": torch.tensor(0.3), "theta_max": 0.9,
-         "gate_w": 0.3 * torch.randn(3, d, generator=gen)[2], "gate_b": torch.tensor(0.1), "gain": 4.0}
+         "f": torch.randn(*rows, 2 * d, generator=gen), "rho": torch.randn(rows, generator=gen),
+         "g": torch.rand(rows, generator=gen), "alpha": torch.tensor([0.2, 0.7]), "beta": torch.tensor(0.3),
+         "gate_w": 0.3 * torch.randn(3, d, generator=gen), "gate_b": torch.tensor(0.1)}
 
-    def values_and_grads(backend):
-        given = {k: v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
-        outs = gated_nag_write(**given, backend=backend)
+    def values_and_grads(backend, strided):
+        # the leaves are the whole tensors; the write gets views of them, as a model's writes do
+        leaves = {k: v.clone().requires_grad_() for k, v in x.items()}
+        f = leaves["f"][..., ::2] if strided else leaves["f"][..., :d]  # every other column, or the first d
+        given = leaves | {"f": f, "alpha": leaves["alpha"][1], "gate_w": leaves["gate_w"][2]}
+        outs = gated_nag_write(**given, theta_max=0.9, gain=4.0, backend=backend)
         weights = [torch.linspace(-1, 1, o.numel()).view(o.shape) for o in outs]
-        tensors = [v for v in given.values() if isinstance(v, torch.Tensor)]
-        return outs, torch.autograd.grad(loss_of(outs, weights), tensors)
+        return outs, torch.autograd.grad(loss_of(outs, weights), list(leaves.values()))
 
-    want_outs, want_grads = values_and_grads("torch")
-    for _ in range(2):  # the second call finds the variant the first compiled
-        got_outs, got_grads = values_and_grads("inductor")
-        for got, want in zip([*got_outs, *got_grads], [*want_outs, *want_grads]):
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for strided in (False, True):  # the strided f must refuse the variant the other one compiled
+        want_outs, want_grads = values_and_grads("torch", strided)
+        for _ in range(2):  # the second call finds the variant the first compiled
+            got_outs, got_grads = values_and_grads("inductor", strided)
+            for got, want in zip([*got_outs, *got_grads], [*want_outs, *want_grads]):
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert not compiled._failed
