@@ -25,6 +25,7 @@ A training step is forward, backward and AdamW (`bench_residual_step.step`), seq
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import random
 import statistics
@@ -123,19 +124,19 @@ def residual_section(args: argparse.Namespace, size: str, compiled: bool) -> Non
 
 
 def mod_section(args: argparse.Namespace) -> None:
+    """Unrouted, top-k and threshold NAG, eager and then compiled: each mode's three models alternate
+    in a phase of their own, and the other mode's models are freed first. A model's step moves with
+    what else the process holds: beside the compiled models, the eager unrouted step ran 12-40%
+    slower than the same model in the large section (docs/benchmarks.md)."""
     settings = step_args(args, "large")
-    runs = {}
-    for mode in ("eager", "compiled"):
-        for name, (router, options) in ROUTERS.items():
-            model, optimizer = build("nag", settings, router=router, router_options=options)
-            runs[f"{name} {mode}"] = (compile_model(model) if mode == "compiled" else model, optimizer)
-    flops: dict[str, list[float]] = {name: [] for name in runs}
-    rates: dict[str, list[float]] = {name: [] for name in runs}
-    graphs = {}
+    times: dict[str, list[float]] = {}
+    flops: dict[str, list[float]] = {}
+    rates: dict[str, list[float]] = {}
+    graphs: dict[str, int] = {}
 
     def settled(i):
         if i == SETTLED_STEP - 1:
-            graphs["settled"] = graphs_compiled()  # every model has run SETTLED_STEP steps
+            graphs["settled"] = graphs_compiled()  # every model of the phase has run SETTLED_STEP steps
 
     def count(name, model, i):
         if i >= args.warmup:
@@ -143,11 +144,21 @@ def mod_section(args: argparse.Namespace) -> None:
             flops[name].append(3 * counted.forward)
             rates[name].append(counted.mod_rate)
 
-    times = alternate(runs, args, "large", count, settled)
-    late = graphs_compiled() - graphs.get("settled", 0)
+    late = 0
+    for mode in ("eager", "compiled"):
+        runs = {}
+        for name, (router, options) in ROUTERS.items():
+            model, optimizer = build("nag", settings, router=router, router_options=options)
+            runs[f"{name} {mode}"] = (compile_model(model) if mode == "compiled" else model, optimizer)
+        flops.update({name: [] for name in runs})
+        rates.update({name: [] for name in runs})
+        times.update(alternate(runs, args, "large", count, settled))
+        late += graphs_compiled() - graphs["settled"]
+        del runs, model, optimizer  # the next phase's models run without these beside them
+        gc.collect()
     print(f"\nmod: NAG, d_model 256, 8 blocks, 8 heads, every sublayer routed; median of {args.repeats} "
-          f"steps after {args.warmup}; graphs compiled after step {SETTLED_STEP}: {late} "
-          f"(of {graphs_compiled()} in all)\n")
+          f"steps after {args.warmup}, eager then compiled; graphs compiled after step {SETTLED_STEP}: "
+          f"{late} (of {graphs_compiled()} in all)\n")
     print("| mode | configuration | MoD rate | training GFLOP/step | step (ms) | FLOPs saved | time saved "
           "| time saved / FLOPs saved |")
     print("|---|---|---|---|---|---|---|---|")
