@@ -12,8 +12,9 @@ thread, `torch.set_num_threads(1)`):
             (the magnitude angle) or without its norm-lane readout, to show what each costs
     large   NAG and pre-norm, eager and compiled (inductor), d_model 256, 8 blocks, 8 heads
     mod     NAG unrouted, top-k (capacity 0.75) and threshold (target 25%) on every sublayer, eager
-            and compiled: the FLOPs saved (`nag_lightning.model.flops.count_model`, training = 3 x
-            forward), the time saved, their ratio, and the graphs dynamo compiled after step 4
+            and then compiled (each mode's models alternated in a phase of their own): the FLOPs
+            saved (`nag_lightning.model.flops.count_model`, training = 3 x forward), the time
+            saved, their ratio, and the graphs dynamo compiled after step 4
     write   one NAG write alone (the default gated angle, its gate included; batch x sequence
             rows, d_model 128 and 256), forward and forward + backward, the PyTorch reference
             against the write that inductor compiled, beside pre-norm's residual add and RMSNorm
@@ -153,7 +154,7 @@ def mod_section(args: argparse.Namespace) -> None:
         flops.update({name: [] for name in runs})
         rates.update({name: [] for name in runs})
         times.update(alternate(runs, args, "large", count, settled))
-        late += graphs_compiled() - graphs["settled"]
+        late += graphs_compiled() - graphs.pop("settled", 0)
         del runs, model, optimizer  # the next phase's models run without these beside them
         gc.collect()
     print(f"\nmod: NAG, d_model 256, 8 blocks, 8 heads, every sublayer routed; median of {args.repeats} "
