@@ -70,9 +70,9 @@ def alternate(
     `after_step(name, model, round)` runs after each step and `after_round(round)` after each
     round, outside the timing.
 
-    Shuffled because a model's place in the round moves its step by 1-2% (the first one after
-    another model's step pays for what that one left in the caches and the allocator): in a fixed
-    order the same model, timed first and third in a round, ran 140.4 and 138.6 ms."""
+    Shuffled because a model's place in the round moves its step (the first one after another
+    model's step pays for what that one left in the caches and the allocator; measured in
+    docs/benchmarks.md, "Speed under torch.compile")."""
     settings = step_args(args, size)
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (args.batch, args.seq_len + 1), generator=gen) for _ in range(4)]
@@ -126,9 +126,9 @@ def residual_section(args: argparse.Namespace, size: str, compiled: bool) -> Non
 
 def mod_section(args: argparse.Namespace) -> None:
     """Unrouted, top-k and threshold NAG, eager and then compiled: each mode's three models alternate
-    in a phase of their own, and the other mode's models are freed first. A model's step moves with
-    what else the process holds: beside the compiled models, the eager unrouted step ran 12-40%
-    slower than the same model in the large section (docs/benchmarks.md)."""
+    in a phase of their own, and the other mode's models are freed first, because a model's step
+    moves with what else the process holds: held beside the compiled models, the eager unrouted
+    model ran slower than the same model in the large section (docs/benchmarks.md)."""
     settings = step_args(args, "large")
     times: dict[str, list[float]] = {}
     flops: dict[str, list[float]] = {}
