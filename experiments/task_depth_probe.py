@@ -37,6 +37,11 @@ from nag_lightning.model.flops import TransformerFlopCounter, reference_training
 from nag_lightning.tasks import build_task
 from nag_lightning.tasks.evaluation import evaluate_by_difficulty, spearman, task_sequences
 
+try:  # run as a script from experiments/
+    from nag_diagnosis import GradientLog, diagnose
+except ImportError:
+    from experiments.nag_diagnosis import GradientLog, diagnose
+
 EVAL_SEED = 10_000
 
 
@@ -87,6 +92,9 @@ def train(args: argparse.Namespace, residual: str, depth: int, seed: int) -> dic
     opt = optimizer(model, args.lr[residual], args.weight_decay)
     batches = torch.Generator().manual_seed(seed)
     history, start, spent, step, total = [], time.time(), 0, 0, args.steps
+    gradients = GradientLog(model) if args.diagnose else None
+    probe = task.sample(64, args.seq_len + 1, torch.Generator().manual_seed(EVAL_SEED + 1 + seed))
+    diagnostics = []
     while step < total:
         step += 1
         for group in opt.param_groups:
@@ -96,6 +104,8 @@ def train(args: argparse.Namespace, residual: str, depth: int, seed: int) -> dic
         loss = F.cross_entropy(out.logits.flatten(0, 1).float(), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         (loss + out.aux_loss).backward()
+        if gradients is not None:
+            gradients(step, loss.item(), out.aux_loss.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         spent += int(counter.step().training)
@@ -105,6 +115,8 @@ def train(args: argparse.Namespace, residual: str, depth: int, seed: int) -> dic
             levels = score(model, task, args.seq_len, EVAL_SEED + seed)
             history.append({"step": step, "loss": loss.item(),
                             "acc": {k: round(v["acc"], 4) for k, v in levels.items()}})
+            if args.diagnose:
+                diagnostics.append({"step": step, **diagnose(model, probe.tokens, probe.difficulty)})
             print(f"{residual} L{depth} s{seed} step {step}/{total} loss {loss.item():.3f} "
                   f"{time.time() - start:.0f}s acc {history[-1]['acc']}", flush=True)
     seconds = time.time() - start
@@ -114,7 +126,9 @@ def train(args: argparse.Namespace, residual: str, depth: int, seed: int) -> dic
             "router_options": json.loads(args.router_options), "iso_flop": args.iso_flop,
             "training_flops": spent,
             "full_depth_training_flops": budget,
-            "levels": levels, "history": history, **compute_by_difficulty(model, args, seed)}
+            "levels": levels, "history": history, "diagnostics": diagnostics,
+            "gradients": [] if gradients is None else gradients.rows,
+            **compute_by_difficulty(model, args, seed)}
 
 
 def compute_by_difficulty(model: Transformer, args: argparse.Namespace, seed: int) -> dict:
@@ -157,6 +171,10 @@ def main() -> None:
     parser.add_argument("--router_options", default="{}", help="JSON options of the router")
     parser.add_argument("--iso_flop", action="store_true",
                         help="train on the full-depth model's training FLOPs of --steps steps")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="record per-sublayer angles, direction survival, norms and gradients "
+                             "(experiments/nag_diagnosis.py) at every evaluation")
+    parser.add_argument("--tag", default="", help="appended to a run's cache name")
     parser.add_argument("--out", default="runs/task_probe")
     parser.add_argument("--table", action="store_true", help="print the cached runs under --out as a table")
     args = parser.parse_args()
@@ -174,7 +192,7 @@ def main() -> None:
                 routing += "" if args.router == "none" else f"-{args.router}{args.router_options}"
                 routing += "-isoflop" if args.iso_flop else ""
                 name = (f"{args.task}-{args.task_options}-{residual}-L{depth}-d{args.d_model}-T{args.seq_len}"
-                        f"-b{args.batch_size}-n{args.steps}-lr{args.lr[residual]}{routing}-s{seed}")
+                        f"-b{args.batch_size}-n{args.steps}-lr{args.lr[residual]}{routing}{args.tag}-s{seed}")
                 path = out / (name.replace(" ", "").replace('"', "").replace("/", "_") + ".json")
                 if path.exists():
                     continue

@@ -44,6 +44,7 @@ from nag_kernels import BACKENDS, BOUNDS, gated_angle, gated_nag_write, nag_writ
 from nag_lightning.residuals import RESIDUALS, ResidualStrategy, State
 
 ANGLES = ("magnitude", "gate")
+GATE_READS = ("state", "update", "tangent")
 """Where a sublayer's angle comes from: the size of its tangential output, bounded, or a learned
 gate on the token's direction."""
 
@@ -90,6 +91,17 @@ class NAGResidual(ResidualStrategy):
             the gate, and skipping a token of small angle loses little of either lane. None
             means on for the gated angle, or, when a checkpoint is loaded, what it was trained
             with.
+        gate_reads: what the gated angle's gate reads: "state" (the token's direction u alone,
+            known before the sublayer runs) or "update" (u and the direction of what the
+            sublayer wrote, f / |f|, with weights of their own initialised at 0: the angle then
+            depends on the write, and no router can read it before the sublayer runs), or
+            "tangent" (the gate on u times |f_perp| / |f|, the sine of the angle between f and u:
+            an update along the state turns it little).
+        learned_bound: the gated angle's bound is learned per sublayer, pi * sigmoid(s_l), s_l
+            starting at theta_max, instead of fixed at theta_max.
+        channel_scale: the write turns toward c_l * f (a learned gain per channel and sublayer,
+            starting at 1) instead of f: each dimension of the direction moves at its own rate,
+            as nGPT's eigen learning rates (arXiv 2410.01131).
     """
 
     def __init__(
@@ -106,6 +118,9 @@ class NAGResidual(ResidualStrategy):
         gate_bias: float = 0.0,
         angle_cost: float | None = None,
         gate_radial: bool | None = None,
+        gate_reads: str = "state",
+        learned_bound: bool = False,
+        channel_scale: bool = False,
     ) -> None:
         super().__init__(d_model, n_sublayers)
         # Which settings were given, not defaulted: a checkpoint's settings replace defaulted ones
@@ -138,6 +153,12 @@ class NAGResidual(ResidualStrategy):
             raise ValueError(f"gate_radial scales the radial update by the gated angle; got angle={angle!r}: "
                              "give angle: gate, or drop gate_radial.")
         self.gate_radial = gate_radial
+        if gate_reads not in GATE_READS:
+            raise ValueError(f"gate_reads must be one of {GATE_READS}; got {gate_reads!r}.")
+        if angle != "gate" and (gate_reads != "state" or learned_bound):
+            raise ValueError(f"gate_reads and learned_bound shape the gated angle; got angle={angle!r}: "
+                             "give angle: gate, or drop them.")
+        self.gate_reads, self.learned_bound, self.channel_scale = gate_reads, learned_bound, channel_scale
         # this training pass's sum of theta / theta_max over writes and tokens (None: nothing
         # priced yet), and its number of tokens: a routed write sees only its executed tokens, and
         # a skipped token turns by 0. A tensor, not a list: a list's length would be guarded
@@ -157,6 +178,13 @@ class NAGResidual(ResidualStrategy):
         if angle == "gate":  # only then: a magnitude-angle checkpoint keeps its parameters
             self.gate_w = nn.Parameter(torch.zeros(n_sublayers, d_model))
             self.gate_b = nn.Parameter(torch.full((n_sublayers,), float(gate_bias)))
+        if gate_reads == "update":
+            self.gate_v = nn.Parameter(torch.zeros(n_sublayers, d_model))
+        if learned_bound:
+            start = math.log(theta_max / (math.pi - theta_max)) if theta_max < math.pi else 4.0
+            self.bound_logit = nn.Parameter(torch.full((n_sublayers,), start))
+        if channel_scale:
+            self.channel_gain = nn.Parameter(torch.ones(n_sublayers, d_model))
 
     # The defaults of the gated angle: with them skipping the quarter of smallest angles after
     # training costs less than pre-norm's, at the quality of the unpriced gate
@@ -166,7 +194,11 @@ class NAGResidual(ResidualStrategy):
 
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
-    SETTINGS = ("theta_max", "norm_lane_readout", "bound", "angle", "angle_cost", "gate_radial")
+    SETTINGS = ("theta_max", "norm_lane_readout", "bound", "angle", "angle_cost", "gate_radial", "gate_reads",
+                "learned_bound", "channel_scale")
+    # Settings that decide which parameters exist: a checkpoint loads only into a model built with
+    # its own values.
+    STRUCTURE = ("angle", "gate_reads", "learned_bound", "channel_scale")
     # Settings of the training objective, not of the function the weights compute: a value given
     # to the model (to go on training under another price) wins over the checkpoint's.
     OBJECTIVE = ("angle_cost",)
@@ -187,11 +219,12 @@ class NAGResidual(ResidualStrategy):
                     f"The checkpoint was trained with {name}={value}; this model was given "
                     f"{name}={getattr(self, name)}: drop the option or give the checkpoint's value."
                 )
-        if state.get("angle", self.angle) != self.angle:  # the angle decides the parameters
-            raise ValueError(
-                f"The checkpoint was trained with angle={state['angle']}; this model was built with "
-                f"angle={self.angle}: give residual_options angle={state['angle']}."
-            )
+        for name in self.STRUCTURE:  # these decide the parameters
+            if state.get(name, getattr(self, name)) != getattr(self, name):
+                raise ValueError(
+                    f"The checkpoint was trained with {name}={state[name]}; this model was built with "
+                    f"{name}={getattr(self, name)}: give residual_options {name}={state[name]}."
+                )
         for name in self.SETTINGS:
             setattr(self, name, given.get(name, state.get(name, getattr(self, name))))
         if self.angle_cost and self.angle != "gate":
@@ -213,6 +246,10 @@ class NAGResidual(ResidualStrategy):
         self, state: State, f: Tensor, gate: Tensor | None, index: int, need_angle: bool = True
     ) -> tuple[State, Tensor | None]:
         u, rho = state
+        if self.channel_scale:
+            f = f * self.channel_gain[index].to(f.dtype)
+        if self.angle == "gate" and self._angle_outside:
+            return self._given_write(u, rho, f, gate, index)
         if self.angle == "gate":
             return self._gated_write(u, rho, f, gate, index)
         u_new, rho_new, theta, _ = nag_write(
@@ -223,18 +260,56 @@ class NAGResidual(ResidualStrategy):
 
     def gate_angle(self, u: Tensor, index: int) -> Tensor:
         """The gated angle of every token before any router's gate, (...,) in fp32: known from the
-        token's own direction before the sublayer runs."""
-        return gated_angle(u, self.gate_w[index], self.gate_b[index], self.theta_max, math.sqrt(self.d_model))
+        token's own direction before the sublayer runs (with gate_reads "state")."""
+        return gated_angle(u, self.gate_w[index], self.gate_b[index], self.bound_of(index), math.sqrt(self.d_model))
+
+    def bound_of(self, index: int) -> float | Tensor:
+        """Sublayer `index`'s bound on the gated angle: theta_max, or its learned bound."""
+        return math.pi * torch.sigmoid(self.bound_logit[index]) if self.learned_bound else self.theta_max
+
+    @property
+    def _angle_outside(self) -> bool:
+        """Whether the gated angle is computed here and given to the write, rather than inside
+        the fused gated write (which knows the fixed bound and the gate on u only)."""
+        return self.gate_reads != "state" or self.learned_bound
 
     @property
     def plans_angle(self) -> bool:
-        return self.angle == "gate"
+        return self.angle == "gate" and self.gate_reads == "state"
 
     def planned_angle(self, state: State, index: int) -> Tensor | None:
-        """The gated angle, known before the sublayer runs; None for the magnitude angle."""
-        if self.angle != "gate":
+        """The gated angle, known before the sublayer runs; None for the magnitude angle and for
+        a gate that reads the update."""
+        if not self.plans_angle:
             return None
         return self.gate_angle(state[0], index).detach()
+
+    def _given_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
+        """The gated write with its angle computed here: from the update too (gate_reads
+        "update"), or under a learned bound."""
+        bound = self.bound_of(index)
+        logit = math.sqrt(self.d_model) * (u.float() @ self.gate_w[index].float()) + self.gate_b[index].float()
+        f32 = f.float()
+        size = torch.linalg.vector_norm(f32, dim=-1, keepdim=True).clamp_min(1e-12)
+        if self.gate_reads == "update":
+            logit = logit + math.sqrt(self.d_model) * ((f32 / size) @ self.gate_v[index].float())
+        share = torch.sigmoid(logit)  # the angle's share of the bound
+        if self.gate_reads == "tangent":
+            # times sin of the angle between f and u: an update that agrees with the state turns
+            # it little, rather than a full gated angle toward the rounding of its perpendicular part
+            radial = (f32 * u.float()).sum(-1, keepdim=True) / size
+            share = share * (1 - radial.square()).clamp_min(0).sqrt().squeeze(-1)
+        if gate is not None:
+            share = share * gate.float()
+        angle = bound * share
+        u_new, rho_new, theta, _ = nag_write(
+            u, f, rho, share if self.gate_radial else gate, self.alpha[index], self.beta[index], self.theta_max,
+            backend=self.kernel, angle=angle,
+        )
+        if self.angle_cost and self.training:
+            turned = share.sum()
+            self._turned = turned if self._turned is None else self._turned + turned
+        return (u_new, rho_new), theta.detach().abs()
 
     def _gated_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
         # With a given angle the write's gate scales only the radial update: by the angle's share
