@@ -21,6 +21,7 @@ FAMILIES = {
     "per-channel gain": ("nag", {"channel_scale": True}),
     "step": ("nag", {"angle": "magnitude", "bound": "rational", "theta_max": math.pi / 2}),
     "planes": ("nag_planes", {"planes": 4}),
+    "additive": ("nag", {"angle": "additive"}),
 }
 
 
@@ -149,3 +150,13 @@ def test_planes_turn_each_group_on_its_own_sphere():
     assert (theta > 0).all()
     planned = strategy.planned_angle((u, rho), 0)
     assert planned.shape == (ROWS,) and (planned >= theta - 1e-5).all()  # f reaches one group of four
+
+
+def test_the_additive_angle_turns_as_a_renormalised_additive_residual():
+    strategy = build("nag", {"angle": "additive"})
+    (u, rho), f = state_and_update(strategy)
+    (u_new, _), theta = strategy.write((u, rho), f, None, 2)
+    added = u + strategy.alpha[2].detach() * f / math.sqrt(D)
+    torch.testing.assert_close(u_new, added / added.norm(dim=-1, keepdim=True), atol=2e-6, rtol=0)
+    (_, _), against = strategy.write((u, rho), f - 3 * math.sqrt(D) * u, None, 2)
+    assert (against > math.pi / 2).any()  # an update against the state turns it past a right angle

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from nag_kernels import BACKENDS, BOUNDS, gated_angle, gated_nag_write, nag_write
 from nag_lightning.residuals import RESIDUALS, ResidualStrategy, State
 
-ANGLES = ("magnitude", "gate")
+ANGLES = ("magnitude", "gate", "additive")
 GATE_READS = ("state", "update", "tangent")
 """Where a sublayer's angle comes from: the size of its tangential output, bounded, or a learned
 gate on the token's direction."""
@@ -75,7 +75,9 @@ class NAGResidual(ResidualStrategy):
             eager writes, the PyTorch reference for small ones), "triton", "inductor" or "torch"
             (the reference always); see `nag_kernels.BACKENDS`.
         angle: "gate" (theta_max * sigmoid(sqrt(d) <w_l, u> + b_l) * g; alpha and bound are
-            unused) or "magnitude" (the bounded size of the sublayer's tangential output); see
+            unused), "additive" (the turn u + g alpha_l f / sqrt(d) makes, renormalised: the
+            additive residual's geometry at a norm held at sqrt(d); theta_max pi) or "magnitude"
+            (the bounded size of the sublayer's tangential output); see
             the module docstring. None means "gate"; a checkpoint loads only into a model of its
             own angle, since the angle decides which parameters exist.
         gate_bias: initial b_l of the gated angle (0: every token starts at theta_max / 2).
@@ -133,7 +135,7 @@ class NAGResidual(ResidualStrategy):
             raise ValueError(f"angle must be one of {ANGLES}; got {angle!r}.")
         if theta_max is None:
             # at most a right angle: in a model of one or two blocks 8/N would exceed it
-            theta_max = min(8.0 / n_sublayers, math.pi / 2) if angle == "gate" else 4.0 / n_sublayers
+            theta_max = {"gate": min(8.0 / n_sublayers, math.pi / 2), "additive": math.pi}.get(angle, 4.0 / n_sublayers)
         norm_lane_readout = True if norm_lane_readout is None else norm_lane_readout
         if not 0 < theta_max <= math.pi:
             raise ValueError(f"theta_max must be in (0, pi] radians; got {theta_max}.")
@@ -169,7 +171,8 @@ class NAGResidual(ResidualStrategy):
         self.norm_lane_readout = norm_lane_readout
         self.kernel = kernel
         self.bound = bound
-        alpha_init = 1 / math.sqrt(n_sublayers) if alpha_init is None else alpha_init
+        if alpha_init is None:
+            alpha_init = 1.0 if angle == "additive" else 1 / math.sqrt(n_sublayers)
         self.gamma = nn.Parameter(torch.ones(n_sublayers, d_model))
         self.gamma_out = nn.Parameter(torch.ones(d_model))
         self.alpha = nn.Parameter(torch.full((n_sublayers,), float(alpha_init)))
@@ -252,6 +255,8 @@ class NAGResidual(ResidualStrategy):
             return self._given_write(u, rho, f, gate, index)
         if self.angle == "gate":
             return self._gated_write(u, rho, f, gate, index)
+        if self.angle == "additive":
+            return self._additive_write(u, rho, f, gate, index)
         u_new, rho_new, theta, _ = nag_write(
             u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max,
             backend=self.kernel, bound=self.bound,
@@ -321,6 +326,21 @@ class NAGResidual(ResidualStrategy):
         if self.angle_cost and self.training:
             turned = angle.sum() / self.theta_max
             self._turned = turned if self._turned is None else self._turned + turned
+        return (u_new, rho_new), theta.detach().abs()
+
+    def _additive_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
+        """u' = (u + k f) / |u + k f| with k = g alpha_l / sqrt(d): the turn an additive residual
+        gives a state of norm sqrt(d), atan2(k |f_perp|, 1 + k a), then the norm is set back."""
+        f32, u32 = f.float(), u.float()
+        k = self.alpha[index].float() / math.sqrt(self.d_model)
+        if gate is not None:
+            k = k * gate.float()
+        a = (f32 * u32).sum(-1)
+        n = torch.linalg.vector_norm(f32 - a.unsqueeze(-1) * u32, dim=-1)
+        angle = torch.atan2(k * n, 1 + k * a)
+        u_new, rho_new, theta, _ = nag_write(
+            u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max, backend=self.kernel, angle=angle,
+        )
         return (u_new, rho_new), theta.detach().abs()
 
     def aux_loss(self) -> Tensor | None:
