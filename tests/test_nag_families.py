@@ -160,3 +160,19 @@ def test_the_additive_angle_turns_as_a_renormalised_additive_residual():
     torch.testing.assert_close(u_new, added / added.norm(dim=-1, keepdim=True), atol=2e-6, rtol=0)
     (_, _), against = strategy.write((u, rho), f - 3 * math.sqrt(D) * u, None, 2)
     assert (against > math.pi / 2).any()  # an update against the state turns it past a right angle
+
+
+def test_the_gate_gain_scales_the_gates_dot_product_and_travels_in_checkpoints():
+    slow = build_residual("nag", D, n_sublayers=N, gate_gain=1.0)
+    with torch.no_grad():
+        slow.gate_w.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(4))
+    (u, rho), f = state_and_update(slow)
+    expected = slow.theta_max * torch.sigmoid(u @ slow.gate_w[0] + slow.gate_b[0])
+    torch.testing.assert_close(slow.gate_angle(u, 0), expected.detach())
+    (_, _), theta = slow.write((u, rho), f, None, 0)
+    torch.testing.assert_close(theta, expected.detach(), atol=1e-4, rtol=0)
+    loaded = build_residual("nag", D, n_sublayers=N)
+    loaded.load_state_dict(slow.state_dict())
+    assert loaded.gate_gain == 1.0
+    with pytest.raises(ValueError, match="trained with gate_gain=1.0"):
+        build_residual("nag", D, n_sublayers=N, gate_gain=2.0).load_state_dict(slow.state_dict())

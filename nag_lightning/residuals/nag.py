@@ -104,6 +104,9 @@ class NAGResidual(ResidualStrategy):
         channel_scale: the write turns toward c_l * f (a learned gain per channel and sublayer,
             starting at 1) instead of f: each dimension of the direction moves at its own rate,
             as nGPT's eigen learning rates (arXiv 2410.01131).
+        gate_gain: the scale of the gate's dot product with u (and with f / |f|); None means
+            sqrt(d_model), which makes an Adam step on w move the gate's logit by about
+            0.8 * d_model * lr: a gain of 1 makes the gate learn sqrt(d_model) times slower.
     """
 
     def __init__(
@@ -123,13 +126,15 @@ class NAGResidual(ResidualStrategy):
         gate_reads: str = "state",
         learned_bound: bool = False,
         channel_scale: bool = False,
+        gate_gain: float | None = None,
     ) -> None:
         super().__init__(d_model, n_sublayers)
         # Which settings were given, not defaulted: a checkpoint's settings replace defaulted ones
         # and must agree with given ones (set_extra_state).
         self._given = {"theta_max": theta_max is not None, "norm_lane_readout": norm_lane_readout is not None,
                        "bound": bound != "tanh", "angle": angle is not None,
-                       "angle_cost": angle_cost is not None, "gate_radial": gate_radial is not None}
+                       "angle_cost": angle_cost is not None, "gate_radial": gate_radial is not None,
+                       "gate_gain": gate_gain is not None}
         angle = "gate" if angle is None else angle
         if angle not in ANGLES:
             raise ValueError(f"angle must be one of {ANGLES}; got {angle!r}.")
@@ -161,6 +166,9 @@ class NAGResidual(ResidualStrategy):
             raise ValueError(f"gate_reads and learned_bound shape the gated angle; got angle={angle!r}: "
                              "give angle: gate, or drop them.")
         self.gate_reads, self.learned_bound, self.channel_scale = gate_reads, learned_bound, channel_scale
+        if gate_gain is not None and not gate_gain > 0:
+            raise ValueError(f"gate_gain must be positive, or null for sqrt(d_model); got {gate_gain}.")
+        self.gate_gain = gate_gain
         # this training pass's sum of theta / theta_max over writes and tokens (None: nothing
         # priced yet), and its number of tokens: a routed write sees only its executed tokens, and
         # a skipped token turns by 0. A tensor, not a list: a list's length would be guarded
@@ -198,7 +206,7 @@ class NAGResidual(ResidualStrategy):
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
     SETTINGS = ("theta_max", "norm_lane_readout", "bound", "angle", "angle_cost", "gate_radial", "gate_reads",
-                "learned_bound", "channel_scale")
+                "learned_bound", "channel_scale", "gate_gain")
     # Settings that decide which parameters exist: a checkpoint loads only into a model built with
     # its own values.
     STRUCTURE = ("angle", "gate_reads", "learned_bound", "channel_scale")
@@ -266,7 +274,12 @@ class NAGResidual(ResidualStrategy):
     def gate_angle(self, u: Tensor, index: int) -> Tensor:
         """The gated angle of every token before any router's gate, (...,) in fp32: known from the
         token's own direction before the sublayer runs (with gate_reads "state")."""
-        return gated_angle(u, self.gate_w[index], self.gate_b[index], self.bound_of(index), math.sqrt(self.d_model))
+        return gated_angle(u, self.gate_w[index], self.gate_b[index], self.bound_of(index), self.gain)
+
+    @property
+    def gain(self) -> float:
+        """The scale of the gate's dot products: gate_gain, or sqrt(d_model)."""
+        return math.sqrt(self.d_model) if self.gate_gain is None else self.gate_gain
 
     def bound_of(self, index: int) -> float | Tensor:
         """Sublayer `index`'s bound on the gated angle: theta_max, or its learned bound."""
@@ -293,11 +306,11 @@ class NAGResidual(ResidualStrategy):
         """The gated write with its angle computed here: from the update too (gate_reads
         "update"), or under a learned bound."""
         bound = self.bound_of(index)
-        logit = math.sqrt(self.d_model) * (u.float() @ self.gate_w[index].float()) + self.gate_b[index].float()
+        logit = self.gain * (u.float() @ self.gate_w[index].float()) + self.gate_b[index].float()
         f32 = f.float()
         size = torch.linalg.vector_norm(f32, dim=-1, keepdim=True).clamp_min(1e-12)
         if self.gate_reads == "update":
-            logit = logit + math.sqrt(self.d_model) * ((f32 / size) @ self.gate_v[index].float())
+            logit = logit + self.gain * ((f32 / size) @ self.gate_v[index].float())
         share = torch.sigmoid(logit)  # the angle's share of the bound
         if self.gate_reads == "tangent":
             # times sin of the angle between f and u: an update that agrees with the state turns
@@ -321,7 +334,7 @@ class NAGResidual(ResidualStrategy):
         # of the bound (gate_radial), or by the router's gate.
         u_new, rho_new, theta, angle = gated_nag_write(
             u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max, self.gate_w[index],
-            self.gate_b[index], math.sqrt(self.d_model), radial=self.gate_radial, backend=self.kernel,
+            self.gate_b[index], self.gain, radial=self.gate_radial, backend=self.kernel,
         )  # fmt: skip
         if self.angle_cost and self.training:
             turned = angle.sum() / self.theta_max
