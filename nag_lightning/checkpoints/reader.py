@@ -38,6 +38,7 @@ from nag_lightning.checkpoints.compat import upgrade_checkpoint
 from nag_lightning.checkpoints.export import is_exported, read_exported
 from nag_lightning.checkpoints.settings import saved_architecture, saved_model_settings
 from nag_lightning.checkpoints.trust import check_plugins, read_checkpoint
+from nag_lightning.checkpoints.values import check_finite, check_saved_settings
 from nag_lightning.data.tokenizer import Tokenizer, load_saved
 from nag_lightning.model import Transformer, TransformerConfig
 
@@ -97,10 +98,12 @@ class SavedCheckpoint:
 
     def check_weights(self, arch: Mapping[str, Any] | None = None) -> None:
         """One sentence if the weights do not fit the `Transformer` the saved settings (or `arch`)
-        describe, checked on the meta device: settings that do not fit allocate nothing."""
+        describe, or its plugins refuse the settings they saved, checked on the meta device:
+        settings that do not fit allocate nothing."""
         with torch.device("meta"):
-            expected = Transformer(TransformerConfig(**(self.arch if arch is None else arch))).state_dict()
-        check_weights(expected, self.model_weights, self.source)
+            model = Transformer(TransformerConfig(**(self.arch if arch is None else arch)))
+        check_weights(model.state_dict(), self.model_weights, self.source)
+        check_saved_settings(model, self.model_weights, self.source)
 
     def transformer(self, device: str = "cpu") -> Transformer:
         """The trained `Transformer`, in eval mode on `device`."""
@@ -129,6 +132,7 @@ def read_saved(path: str | Path) -> SavedCheckpoint:
     exported = is_exported(source)
     raw = read_exported(source) if exported else read_checkpoint(source)
     check_contents(raw, source)
+    check_finite(raw["state_dict"], source)
     return SavedCheckpoint(source, upgrade_checkpoint(raw), exported)
 
 

@@ -82,7 +82,9 @@ def check_size(cfg, memory: int | None = None) -> None:
             raise ValueError(f"model.arch.{name} must be a whole number; got {shorten(repr(value))}.")
     ratio = cfg.mlp_ratio
     if type(ratio) not in (int, float) or not math.isfinite(ratio):
-        raise ValueError(f"model.arch.mlp_ratio must be a finite positive number; got {shorten(repr(ratio))}.")
+        raise ValueError(
+            f"model.arch.mlp_ratio must be a finite positive number; got {shorten(repr(ratio))}."
+        )
     if cfg.n_layers > MAX_LAYERS:
         raise ValueError(
             f"model.arch.n_layers={cfg.n_layers:,} is more blocks than a model here may have "

@@ -41,11 +41,39 @@ import torch
 from torch import Tensor, nn
 
 from nag_kernels import BACKENDS, BOUNDS, gated_angle, gated_nag_write, nag_write
+from nag_lightning.inputs import shorten
 from nag_lightning.residuals import RESIDUALS, ResidualStrategy, State
 
 ANGLES = ("magnitude", "gate")
 """Where a sublayer's angle comes from: the size of its tangential output, bounded, or a learned
 gate on the token's direction."""
+
+
+def check_settings(theta_max: float, norm_lane_readout: bool, bound: str, angle: str, angle_cost: float,
+                   gate_radial: bool) -> None:
+    """One sentence for settings of NAG it cannot run with, given to the constructor or read from a
+    checkpoint's saved state (`NAGResidual.set_extra_state`), where they may be any value."""
+    if angle not in ANGLES:
+        raise ValueError(f"angle must be one of {ANGLES}; got {shorten(repr(angle))}.")
+    if not _number(theta_max) or not 0 < theta_max <= math.pi:
+        raise ValueError(f"theta_max must be in (0, pi] radians; got {shorten(repr(theta_max))}.")
+    if bound not in BOUNDS:
+        raise ValueError(f"bound must be one of {BOUNDS}; got {shorten(repr(bound))}.")
+    priced = _number(angle_cost) and math.isfinite(angle_cost) and angle_cost >= 0
+    if not priced or (angle_cost > 0 and angle != "gate"):
+        raise ValueError(f"angle_cost must be >= 0 and prices the gated angle only; got "
+                         f"{shorten(repr(angle_cost))} with angle={angle!r}: give angle: gate, or drop "
+                         "angle_cost.")
+    for name, value in (("norm_lane_readout", norm_lane_readout), ("gate_radial", gate_radial)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false; got {shorten(repr(value))}.")
+    if gate_radial and angle != "gate":
+        raise ValueError(f"gate_radial scales the radial update by the gated angle; got angle={angle!r}: "
+                         "give angle: gate, or drop gate_radial.")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @RESIDUALS.register("nag")
@@ -114,29 +142,19 @@ class NAGResidual(ResidualStrategy):
                        "bound": bound != "tanh", "angle": angle is not None,
                        "angle_cost": angle_cost is not None, "gate_radial": gate_radial is not None}
         angle = "gate" if angle is None else angle
-        if angle not in ANGLES:
-            raise ValueError(f"angle must be one of {ANGLES}; got {angle!r}.")
-        if theta_max is None:
+        if theta_max is None and angle in ANGLES:
             # at most a right angle: in a model of one or two blocks 8/N would exceed it
             theta_max = min(8.0 / n_sublayers, math.pi / 2) if angle == "gate" else 4.0 / n_sublayers
         norm_lane_readout = True if norm_lane_readout is None else norm_lane_readout
-        if not 0 < theta_max <= math.pi:
-            raise ValueError(f"theta_max must be in (0, pi] radians; got {theta_max}.")
-        if bound not in BOUNDS:
-            raise ValueError(f"bound must be one of {BOUNDS}; got {bound!r}.")
-        if kernel not in BACKENDS:
-            raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
         if angle_cost is None:
             angle_cost = self.ANGLE_COST if angle == "gate" else 0.0
-        if angle_cost < 0 or (angle_cost > 0 and angle != "gate"):
-            raise ValueError(f"angle_cost must be >= 0 and prices the gated angle only; got {angle_cost} "
-                             f"with angle={angle!r}: give angle: gate, or drop angle_cost.")
-        self.angle_cost = angle_cost
         if gate_radial is None:
             gate_radial = self.GATE_RADIAL and angle == "gate"
-        if gate_radial and angle != "gate":
-            raise ValueError(f"gate_radial scales the radial update by the gated angle; got angle={angle!r}: "
-                             "give angle: gate, or drop gate_radial.")
+        check_settings(theta_max=theta_max, norm_lane_readout=norm_lane_readout, bound=bound, angle=angle,
+                       angle_cost=angle_cost, gate_radial=gate_radial)
+        if kernel not in BACKENDS:
+            raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
+        self.angle_cost = angle_cost
         self.gate_radial = gate_radial
         # this training pass's sum of theta / theta_max over writes and tokens (None: nothing
         # priced yet), and its number of tokens: a routed write sees only its executed tokens, and
@@ -192,11 +210,13 @@ class NAGResidual(ResidualStrategy):
                 f"The checkpoint was trained with angle={state['angle']}; this model was built with "
                 f"angle={self.angle}: give residual_options angle={state['angle']}."
             )
-        for name in self.SETTINGS:
-            setattr(self, name, given.get(name, state.get(name, getattr(self, name))))
-        if self.angle_cost and self.angle != "gate":
-            raise ValueError(f"The checkpoint was trained with angle={self.angle}, and angle_cost prices "
-                             "the gated angle only: drop angle_cost.")
+        settings = {name: given.get(name, state.get(name, getattr(self, name))) for name in self.SETTINGS}
+        if settings["angle_cost"] and settings["angle"] != "gate":
+            raise ValueError(f"The checkpoint was trained with angle={settings['angle']}, and angle_cost "
+                             "prices the gated angle only: drop angle_cost.")
+        check_settings(**settings)  # the constructor's rules: saved settings may come from anyone
+        for name, value in settings.items():
+            setattr(self, name, value)
 
     def init_state(self, embedding: Tensor) -> State:
         self._turned, self._tokens = None, embedding.shape[:-1].numel()
