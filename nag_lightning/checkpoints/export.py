@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from nag_lightning.data.tokenizer import BYTES, HFTokenizer, Tokenizer, _bytes_to_unicode
+from nag_lightning.inputs import output_folder
 
 WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.json"
 FORMAT = "nag-lightning"
@@ -237,6 +238,7 @@ def export_checkpoint(ckpt_path: str, out: str, trust_checkpoint: bool = False) 
     """
     from nag_lightning.checkpoints.reader import read_saved
 
+    output_folder(out, "--out")  # before the checkpoint is read: one that cannot be written ends here
     saved = read_saved(ckpt_path)
     saved.check_plugins(trust_checkpoint)
     saved.transformer()  # every weight fits the model the settings describe, none is missing
