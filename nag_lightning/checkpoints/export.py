@@ -147,7 +147,7 @@ def read_exported(path: str | Path) -> dict:
 def _read_config(file: Path, source: str | Path) -> dict:
     try:
         config = json.loads(file.read_text(encoding="utf-8"), parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:  # Recursion: nested too deep
         raise ValueError(
             f"The {CONFIG} of {source} is not valid JSON ({str(error)[:120]}); export the "
             "checkpoint again with `nag-lightning export`."

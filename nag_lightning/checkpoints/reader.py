@@ -38,7 +38,7 @@ from nag_lightning.checkpoints.compat import upgrade_checkpoint
 from nag_lightning.checkpoints.export import is_exported, read_exported
 from nag_lightning.checkpoints.settings import saved_architecture, saved_model_settings
 from nag_lightning.checkpoints.trust import check_plugins, read_checkpoint
-from nag_lightning.checkpoints.values import check_finite, check_saved_settings
+from nag_lightning.checkpoints.values import check_finite, check_lightning_version, check_saved_settings
 from nag_lightning.data.tokenizer import Tokenizer, load_saved
 from nag_lightning.model import Transformer, TransformerConfig
 
@@ -133,6 +133,7 @@ def read_saved(path: str | Path) -> SavedCheckpoint:
     raw = read_exported(source) if exported else read_checkpoint(source)
     check_contents(raw, source)
     check_finite(raw["state_dict"], source)
+    check_lightning_version(raw, source)
     return SavedCheckpoint(source, upgrade_checkpoint(raw), exported)
 
 
