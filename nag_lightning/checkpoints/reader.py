@@ -41,6 +41,7 @@ from nag_lightning.checkpoints.trust import check_plugins, read_checkpoint
 from nag_lightning.checkpoints.values import check_finite, check_lightning_version, check_saved_settings
 from nag_lightning.data.tokenizer import Tokenizer, load_saved
 from nag_lightning.model import Transformer, TransformerConfig
+from nag_lightning.model.limits import TooLarge
 
 MODEL_PREFIX = "model."  # the Transformer's weights in a LightningModule's state dict
 _PROGRESS_KEYS = frozenset({"ready", "started", "processed", "completed"})
@@ -100,8 +101,15 @@ class SavedCheckpoint:
         """One sentence if the weights do not fit the `Transformer` the saved settings (or `arch`)
         describe, or its plugins refuse the settings they saved, checked on the meta device:
         settings that do not fit allocate nothing."""
+        try:
+            config = TransformerConfig(**(self.arch if arch is None else arch))
+        except TooLarge as error:
+            raise ValueError(
+                f"The checkpoint {self.source} describes a model this machine cannot hold: "
+                f"{error.problem}; {error.checkpoint_advice}."
+            ) from None
         with torch.device("meta"):
-            model = Transformer(TransformerConfig(**(self.arch if arch is None else arch)))
+            model = Transformer(config)
         check_weights(model.state_dict(), self.model_weights, self.source)
         check_saved_settings(model, self.model_weights, self.source)
 

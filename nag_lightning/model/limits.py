@@ -34,6 +34,15 @@ SIZE_SETTINGS = ("d_model", "n_layers", "seq_len", "vocab_size", "mlp_ratio")
 WHOLE_NUMBERS = ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len")
 
 
+class TooLarge(ValueError):
+    """A model this machine cannot hold: `problem`, then `advice` for a config or a command line;
+    a reader of checkpoints says `problem` and `checkpoint_advice` instead."""
+
+    def __init__(self, problem: str, advice: str, checkpoint_advice: str) -> None:
+        super().__init__(f"{problem}; {advice}.")
+        self.problem, self.checkpoint_advice = problem, checkpoint_advice
+
+
 @dataclass(frozen=True)
 class Sizes:
     """The settings of a `TransformerConfig` that its memory depends on."""
@@ -86,9 +95,11 @@ def check_size(cfg, memory: int | None = None) -> None:
             f"model.arch.mlp_ratio must be a finite positive number; got {shorten(repr(ratio))}."
         )
     if cfg.n_layers > MAX_LAYERS:
-        raise ValueError(
+        raise TooLarge(
             f"model.arch.n_layers={cfg.n_layers:,} is more blocks than a model here may have "
-            f"({MAX_LAYERS:,}); give at most {MAX_LAYERS:,}."
+            f"({MAX_LAYERS:,})",
+            f"give at most {MAX_LAYERS:,}",
+            f"give a checkpoint of a model of at most {MAX_LAYERS:,} blocks",
         )
     sizes = Sizes(**{name: getattr(cfg, name) for name in Sizes.__dataclass_fields__})
     need = needed_bytes(sizes)
@@ -96,11 +107,12 @@ def check_size(cfg, memory: int | None = None) -> None:
     if need <= limit:
         return
     name = _largest(sizes, need)
-    raise ValueError(
+    raise TooLarge(
         f"model.arch.{name}={getattr(cfg, name):,} makes a model that needs at least {need:,} bytes "
         f"(fp32 weights and the activations of one sequence of {cfg.seq_len:,} tokens), more than "
-        f"the {limit:,} bytes of memory this machine has; give a smaller model.arch.{name}, or run "
-        "where there is more memory."
+        f"the {limit:,} bytes of memory this machine has",
+        f"give a smaller model.arch.{name}, or run where there is more memory",
+        "give a checkpoint of a smaller model, or run where there is more memory",
     )
 
 
