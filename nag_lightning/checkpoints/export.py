@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from nag_lightning.data.tokenizer import BYTES, HFTokenizer, Tokenizer, _bytes_to_unicode
-from nag_lightning.inputs import output_folder
+from nag_lightning.inputs import output_folder, shorten
 
 WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.json"
 FORMAT = "nag-lightning"
@@ -158,7 +158,7 @@ def _read_config(file: Path, source: str | Path) -> dict:
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         problem = f"it does not say format: {FORMAT!r}"
     elif config.get("format_version") != FORMAT_VERSION:
-        problem = f"format_version {config.get('format_version')!r} is not {FORMAT_VERSION}"
+        problem = f"format_version {shorten(repr(config.get('format_version')))} is not {FORMAT_VERSION}"
     else:
         wrong = [k for k, kind in expected.items() if not isinstance(config.get(k), kind)
                  or isinstance(config.get(k), bool)]

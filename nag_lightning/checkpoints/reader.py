@@ -40,6 +40,7 @@ from nag_lightning.checkpoints.settings import saved_architecture, saved_model_s
 from nag_lightning.checkpoints.trust import check_plugins, read_checkpoint
 from nag_lightning.checkpoints.values import check_finite, check_lightning_version, check_saved_settings
 from nag_lightning.data.tokenizer import Tokenizer, load_saved
+from nag_lightning.inputs import shorten
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.model.limits import TooLarge
 
@@ -179,10 +180,10 @@ def check_contents(raw: Mapping, source: str) -> None:
         )
     not_tensors = [k for k, v in raw["state_dict"].items()
                    if not isinstance(k, str) or not (torch.is_tensor(v) or k.endswith("_extra_state"))]
-    problems = [f"state_dict[{k!r}] is not a tensor" for k in not_tensors[:1]]
+    problems = [f"state_dict[{shorten(repr(k))}] is not a tensor" for k in not_tensors[:1]]
     for key in ("global_step", "epoch"):
         if key in raw and not _count(raw[key]):
-            problems.append(f"{key}={raw[key]!r} is not a non-negative integer")
+            problems.append(f"{key}={shorten(repr(raw[key]))} is not a non-negative integer")
     if "loops" in raw:
         problems += _loop_problems(raw["loops"], "loops")[:1]
     if problems:
@@ -204,11 +205,11 @@ def _loop_problems(state: object, where: str) -> list[str]:
     problems = []
     for key, value in state.items():
         if key in _PROGRESS_KEYS and not _count(value):
-            problems.append(f"{where}[{key!r}]={value!r} is not a non-negative integer")
+            problems.append(f"{where}[{key!r}]={shorten(repr(value))} is not a non-negative integer")
         elif key == "_batches_that_stepped" and not _count(value):
-            problems.append(f"{where}[{key!r}]={value!r} is not a non-negative integer")
+            problems.append(f"{where}[{key!r}]={shorten(repr(value))} is not a non-negative integer")
         elif key == "is_last_batch" and not isinstance(value, bool):
-            problems.append(f"{where}[{key!r}]={value!r} is not true or false")
+            problems.append(f"{where}[{key!r}]={shorten(repr(value))} is not true or false")
         elif isinstance(value, Mapping) and key != "combined_loader":
             problems += _loop_problems(value, f"{where}[{key!r}]")
     return problems

@@ -159,8 +159,8 @@ class TrainBatches:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         index = state.get("index")
         if type(index) is not int or index < 0:
-            raise ValueError(f"The checkpoint's task loader state {state!r} holds no batch index; resume "
-                             "from a checkpoint of a run on task data.")
+            raise ValueError(f"The checkpoint's task loader state {shorten(repr(state))} holds no batch "
+                             "index; resume from a checkpoint of a run on task data.")
         self.index = index
 
 
