@@ -21,7 +21,7 @@ MESSAGE_LIMIT = 2000
 
 def shorten(text: object, limit: int = ECHO_LIMIT) -> str:
     """`text` (any value, as `str` writes it) as it is if it has at most `limit` characters, else its
-    first `limit` followed by an ellipsis and its length: `'xxxx...' (5,000,002 characters)`."""
+    first `limit` followed by an ellipsis and its length: `'xxxx... (5,000,002 characters)`."""
     text = str(text)
     if len(text) <= limit:
         return text
@@ -40,8 +40,8 @@ def shorten_message(message: str, limit: int = MESSAGE_LIMIT) -> str:
 
 def output_folder(path: str | Path, option: str) -> Path:
     """`path`, a folder the command given `option` (its flag, e.g. `--out_dir`) will write into,
-    checked before anything is computed or written, and created by nobody here: one sentence if it,
-    or a folder above it, is a file, or if the nearest folder of it that exists is not writable."""
+    checked before anything is computed or written (it is not created here): one sentence if it, or
+    a folder above it, is a file, or if the nearest folder of it that exists is not writable."""
     folder = Path(path).expanduser()
     existing = next(p for p in (folder, *folder.parents) if p.exists() or p == p.parent)
     if not existing.is_dir():
