@@ -229,6 +229,7 @@ class NagCLI:
             )
         model_config = config.model.as_dict()
         checkpoint.check_plugins(config.get("trust_checkpoint"), model_config)
+        checkpoint.check_weights()  # sizes, shapes and saved settings, before data or model is built
         saved = copy.deepcopy(checkpoint.settings)
         if subcommand == "fit":
             check_architecture(saved, model_config.get("arch") or {}, ckpt_path)
@@ -556,7 +557,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, FloatingPointError) as error:
         if os.environ.get("NAG_LIGHTNING_TRACEBACK"):
             raise
-        print(f"nag-lightning: error: {error}", file=sys.stderr)
+        from nag_lightning.inputs import shorten_message
+
+        print(f"nag-lightning: error: {shorten_message(str(error))}", file=sys.stderr)
         sys.exit(1)
 
 

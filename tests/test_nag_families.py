@@ -83,7 +83,8 @@ def test_every_family_trains_and_its_checkpoint_loads_with_its_settings(family):
     torch.testing.assert_close(loaded.eval()(idx).logits, model.eval()(idx).logits)
 
 
-@pytest.mark.parametrize("option", [{"gate_reads": "update"}, {"learned_bound": True}, {"channel_scale": True}])
+@pytest.mark.parametrize("option", [{"gate_reads": "update"}, {"learned_bound": True},
+                                    {"channel_scale": True}])
 def test_a_checkpoint_loads_only_into_a_model_of_its_own_structure(option):
     trained = build("nag", option).state_dict()
     with pytest.raises(ValueError, match=f"trained with {next(iter(option))}="):
@@ -122,11 +123,13 @@ def test_the_learned_bound_starts_at_theta_max_and_stays_below_pi():
 
 
 def test_the_channel_gain_at_one_is_the_default_write():
-    plain, gained = build_residual("nag", D, n_sublayers=N), build_residual("nag", D, n_sublayers=N, channel_scale=True)
+    plain = build_residual("nag", D, n_sublayers=N)
+    gained = build_residual("nag", D, n_sublayers=N, channel_scale=True)
     (u, rho), f = state_and_update(plain)
     (u1, r1), t1 = plain.write((u, rho), f, None, 0)
     (u2, r2), t2 = gained.write((u, rho), f, None, 0)
-    torch.testing.assert_close(u1, u2) and torch.testing.assert_close(r1, r2) and torch.testing.assert_close(t1, t2)
+    for one, other in ((u1, u2), (r1, r2), (t1, t2)):
+        torch.testing.assert_close(one, other)
 
 
 def test_the_step_turns_by_the_size_of_the_update_and_not_along_the_state():

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from nag_lightning.model.kv_cache import CachedPass, KVCache
+from nag_lightning.model.limits import check_size
 from nag_lightning.residuals import ResidualStrategy, State, build_residual
 from nag_lightning.routers import Route, Router, build_router
 
@@ -89,6 +90,7 @@ class TransformerConfig:
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        check_size(self)  # before anything is built: sizes from a file may be any number
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.arch.{name} must be at least 1; got {getattr(self, name)}.")

@@ -40,13 +40,10 @@ import math
 import torch
 from torch import Tensor, nn
 
-from nag_kernels import BACKENDS, BOUNDS, gated_angle, gated_nag_write, nag_write
+from nag_kernels import BACKENDS, gated_angle, gated_nag_write, nag_write
+from nag_lightning.inputs import shorten
 from nag_lightning.residuals import RESIDUALS, ResidualStrategy, State
-
-ANGLES = ("magnitude", "gate", "additive")
-GATE_READS = ("state", "update", "tangent")
-"""Where a sublayer's angle comes from: the size of its tangential output, bounded, or a learned
-gate on the token's direction."""
+from nag_lightning.residuals.nag_settings import ANGLES, check_settings
 
 
 @RESIDUALS.register("nag")
@@ -136,38 +133,23 @@ class NAGResidual(ResidualStrategy):
                        "angle_cost": angle_cost is not None, "gate_radial": gate_radial is not None,
                        "gate_gain": gate_gain is not None}
         angle = "gate" if angle is None else angle
-        if angle not in ANGLES:
-            raise ValueError(f"angle must be one of {ANGLES}; got {angle!r}.")
-        if theta_max is None:
+        if theta_max is None and angle in ANGLES:
             # at most a right angle: in a model of one or two blocks 8/N would exceed it
-            theta_max = {"gate": min(8.0 / n_sublayers, math.pi / 2), "additive": math.pi}.get(angle, 4.0 / n_sublayers)
+            defaults = {"gate": min(8.0 / n_sublayers, math.pi / 2), "additive": math.pi}
+            theta_max = defaults.get(angle, 4.0 / n_sublayers)
         norm_lane_readout = True if norm_lane_readout is None else norm_lane_readout
-        if not 0 < theta_max <= math.pi:
-            raise ValueError(f"theta_max must be in (0, pi] radians; got {theta_max}.")
-        if bound not in BOUNDS:
-            raise ValueError(f"bound must be one of {BOUNDS}; got {bound!r}.")
-        if kernel not in BACKENDS:
-            raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
         if angle_cost is None:
             angle_cost = self.ANGLE_COST if angle == "gate" else 0.0
-        if angle_cost < 0 or (angle_cost > 0 and angle != "gate"):
-            raise ValueError(f"angle_cost must be >= 0 and prices the gated angle only; got {angle_cost} "
-                             f"with angle={angle!r}: give angle: gate, or drop angle_cost.")
-        self.angle_cost = angle_cost
         if gate_radial is None:
             gate_radial = self.GATE_RADIAL and angle == "gate"
-        if gate_radial and angle != "gate":
-            raise ValueError(f"gate_radial scales the radial update by the gated angle; got angle={angle!r}: "
-                             "give angle: gate, or drop gate_radial.")
+        check_settings(theta_max=theta_max, norm_lane_readout=norm_lane_readout, bound=bound, angle=angle,
+                       angle_cost=angle_cost, gate_radial=gate_radial, gate_reads=gate_reads,
+                       learned_bound=learned_bound, channel_scale=channel_scale, gate_gain=gate_gain)
+        if kernel not in BACKENDS:
+            raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
+        self.angle_cost = angle_cost
         self.gate_radial = gate_radial
-        if gate_reads not in GATE_READS:
-            raise ValueError(f"gate_reads must be one of {GATE_READS}; got {gate_reads!r}.")
-        if angle != "gate" and (gate_reads != "state" or learned_bound):
-            raise ValueError(f"gate_reads and learned_bound shape the gated angle; got angle={angle!r}: "
-                             "give angle: gate, or drop them.")
         self.gate_reads, self.learned_bound, self.channel_scale = gate_reads, learned_bound, channel_scale
-        if gate_gain is not None and not gate_gain > 0:
-            raise ValueError(f"gate_gain must be positive, or null for sqrt(d_model); got {gate_gain}.")
         self.gate_gain = gate_gain
         # this training pass's sum of theta / theta_max over writes and tokens (None: nothing
         # priced yet), and its number of tokens: a routed write sees only its executed tokens, and
@@ -232,15 +214,22 @@ class NAGResidual(ResidualStrategy):
                 )
         for name in self.STRUCTURE:  # these decide the parameters
             if state.get(name, getattr(self, name)) != getattr(self, name):
+                saved = shorten(str(state[name]))
                 raise ValueError(
-                    f"The checkpoint was trained with {name}={state[name]}; this model was built with "
-                    f"{name}={getattr(self, name)}: give residual_options {name}={state[name]}."
+                    f"The checkpoint was trained with {name}={saved}; this model was built with "
+                    f"{name}={getattr(self, name)}: give residual_options {name}={saved}."
                 )
-        for name in self.SETTINGS:
-            setattr(self, name, given.get(name, state.get(name, getattr(self, name))))
-        if self.angle_cost and self.angle != "gate":
-            raise ValueError(f"The checkpoint was trained with angle={self.angle}, and angle_cost prices "
-                             "the gated angle only: drop angle_cost.")
+        settings = {name: given.get(name, state.get(name, getattr(self, name))) for name in self.SETTINGS}
+        if settings["angle_cost"] and settings["angle"] != "gate":
+            raise ValueError(f"The checkpoint was trained with angle={settings['angle']}, and angle_cost "
+                             "prices the gated angle only: drop angle_cost.")
+        self.check_saved(settings)  # the constructor's rules: saved settings may come from anyone
+        for name, value in settings.items():
+            setattr(self, name, value)
+
+    def check_saved(self, settings: dict) -> None:
+        """One sentence for saved settings this strategy cannot run with."""
+        check_settings(**{name: settings[name] for name in NAGResidual.SETTINGS})
 
     def init_state(self, embedding: Tensor) -> State:
         self._turned, self._tokens = None, embedding.shape[:-1].numel()
@@ -321,7 +310,8 @@ class NAGResidual(ResidualStrategy):
             share = share * gate.float()
         angle = bound * share
         u_new, rho_new, theta, _ = nag_write(
-            u, f, rho, share if self.gate_radial else gate, self.alpha[index], self.beta[index], self.theta_max,
+            u, f, rho, share if self.gate_radial else gate, self.alpha[index], self.beta[index],
+            self.theta_max,
             backend=self.kernel, angle=angle,
         )
         if self.angle_cost and self.training:
@@ -352,7 +342,8 @@ class NAGResidual(ResidualStrategy):
         n = torch.linalg.vector_norm(f32 - a.unsqueeze(-1) * u32, dim=-1)
         angle = torch.atan2(k * n, 1 + k * a)
         u_new, rho_new, theta, _ = nag_write(
-            u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max, backend=self.kernel, angle=angle,
+            u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max, backend=self.kernel,
+            angle=angle,
         )
         return (u_new, rho_new), theta.detach().abs()
 

@@ -103,7 +103,14 @@ class NAGPlanes(NAGResidual):
         if self.angle_cost and self.training:
             turned = share.mean(-1).sum()
             self._turned = turned if self._turned is None else self._turned + turned
-        return ((u_new / math.sqrt(self.planes)).flatten(-2).to(u.dtype), rho_new), self._total(theta.detach().abs())
+        u_new = (u_new / math.sqrt(self.planes)).flatten(-2).to(u.dtype)
+        return (u_new, rho_new), self._total(theta.detach().abs())
+
+    def check_saved(self, settings: dict) -> None:
+        super().check_saved(settings)
+        planes = settings["planes"]
+        if not isinstance(planes, int) or isinstance(planes, bool) or planes < 1 or self.d_model % planes:
+            raise ValueError(f"planes must divide d_model = {self.d_model}; got {str(planes)[:40]}.")
 
     SETTINGS = NAGResidual.SETTINGS + ("planes",)
     STRUCTURE = NAGResidual.STRUCTURE + ("planes",)
