@@ -22,6 +22,7 @@ FAMILIES = {
     "step": ("nag", {"angle": "magnitude", "bound": "rational", "theta_max": math.pi / 2}),
     "planes": ("nag_planes", {"planes": 4}),
     "additive": ("nag", {"angle": "additive"}),
+    "additive, learned inertia": ("nag", {"angle": "additive", "inertia": "lane", "beta_init": 0.5}),
 }
 
 
@@ -179,3 +180,20 @@ def test_the_gate_gain_scales_the_gates_dot_product_and_travels_in_checkpoints()
     assert loaded.gate_gain == 1.0
     with pytest.raises(ValueError, match="trained with gate_gain=1.0"):
         build_residual("nag", D, n_sublayers=N, gate_gain=2.0).load_state_dict(slow.state_dict())
+
+
+def test_the_additive_angle_with_inertia_is_the_prenorm_stream():
+    """NAG's lanes with the state's norm fed back into the step are pre-norm: the same weights give
+    the same logits, so the one difference between NAG's additive angle and pre-norm is that
+    feedback."""
+    common = dict(vocab_size=256, d_model=32, n_layers=2, n_heads=4, seq_len=16)
+    torch.manual_seed(0)
+    prenorm = Transformer(TransformerConfig(**common, residual="prenorm"))
+    lanes = Transformer(TransformerConfig(**common, residual="nag", residual_options={
+        "angle": "additive", "inertia": "norm", "norm_lane_readout": False}))
+    missing, unexpected = lanes.load_state_dict(prenorm.state_dict(), strict=False)
+    assert set(missing) == {"strategy.alpha", "strategy.beta", "strategy._extra_state"} and not unexpected
+    idx = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(lanes(idx).logits, prenorm(idx).logits, atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="inertia scales the additive angle"):
+        build_residual("nag", D, n_sublayers=N, inertia="norm")

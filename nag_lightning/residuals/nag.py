@@ -101,6 +101,12 @@ class NAGResidual(ResidualStrategy):
         channel_scale: the write turns toward c_l * f (a learned gain per channel and sublayer,
             starting at 1) instead of f: each dimension of the direction moves at its own rate,
             as nGPT's eigen learning rates (arXiv 2410.01131).
+        inertia: with the additive angle, whether the norm lane feeds back into the step:
+            "none"; "norm" (k = g alpha_l / (sqrt(d) exp(rho)), and rho follows the norm of
+            u + k f: with alpha 1 and no norm lane at the readout this is the pre-norm stream,
+            x = sqrt(d) exp(rho) u, in NAG's lanes, the ablation of the one thing NAG removes);
+            or "lane" (the same k, with rho NAG's learned lane, rho + g beta_l a / sqrt(d): the
+            model sets how much a token's state resists later turns).
         gate_gain: the scale of the gate's dot product with u (and with f / |f|); None means
             sqrt(d_model), which makes an Adam step on w move the gate's logit by about
             0.8 * d_model * lr: a gain of 1 makes the gate learn sqrt(d_model) times slower.
@@ -124,6 +130,7 @@ class NAGResidual(ResidualStrategy):
         learned_bound: bool = False,
         channel_scale: bool = False,
         gate_gain: float | None = None,
+        inertia: str = "none",
     ) -> None:
         super().__init__(d_model, n_sublayers)
         # Which settings were given, not defaulted: a checkpoint's settings replace defaulted ones
@@ -144,13 +151,14 @@ class NAGResidual(ResidualStrategy):
             gate_radial = self.GATE_RADIAL and angle == "gate"
         check_settings(theta_max=theta_max, norm_lane_readout=norm_lane_readout, bound=bound, angle=angle,
                        angle_cost=angle_cost, gate_radial=gate_radial, gate_reads=gate_reads,
-                       learned_bound=learned_bound, channel_scale=channel_scale, gate_gain=gate_gain)
+                       learned_bound=learned_bound, channel_scale=channel_scale, gate_gain=gate_gain,
+                       inertia=inertia)
         if kernel not in BACKENDS:
             raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
         self.angle_cost = angle_cost
         self.gate_radial = gate_radial
         self.gate_reads, self.learned_bound, self.channel_scale = gate_reads, learned_bound, channel_scale
-        self.gate_gain = gate_gain
+        self.gate_gain, self.inertia = gate_gain, inertia
         # this training pass's sum of theta / theta_max over writes and tokens (None: nothing
         # priced yet), and its number of tokens: a routed write sees only its executed tokens, and
         # a skipped token turns by 0. A tensor, not a list: a list's length would be guarded
@@ -188,7 +196,7 @@ class NAGResidual(ResidualStrategy):
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
     SETTINGS = ("theta_max", "norm_lane_readout", "bound", "angle", "angle_cost", "gate_radial", "gate_reads",
-                "learned_bound", "channel_scale", "gate_gain")
+                "learned_bound", "channel_scale", "gate_gain", "inertia")
     # Settings that decide which parameters exist: a checkpoint loads only into a model built with
     # its own values.
     STRUCTURE = ("angle", "gate_reads", "learned_bound", "channel_scale")
@@ -338,9 +346,16 @@ class NAGResidual(ResidualStrategy):
         k = self.alpha[index].float() / math.sqrt(self.d_model)
         if gate is not None:
             k = k * gate.float()
+        if self.inertia != "none":  # the step relative to the state's norm sqrt(d) exp(rho), as pre-norm's
+            k = k * torch.exp(-rho.float())
         a = (f32 * u32).sum(-1)
         n = torch.linalg.vector_norm(f32 - a.unsqueeze(-1) * u32, dim=-1)
         angle = torch.atan2(k * n, 1 + k * a)
+        if self.inertia == "norm":  # rho follows the norm of u + k f: pre-norm's x = sqrt(d) exp(rho) u
+            u_new, _, theta, _ = nag_write(u, f, rho, gate, self.alpha[index], 0.0, self.theta_max,
+                                           backend=self.kernel, angle=angle)
+            rho_new = rho + 0.5 * torch.log((1 + k * a).square() + (k * n).square())
+            return (u_new, rho_new.to(rho.dtype)), theta.detach().abs()
         u_new, rho_new, theta, _ = nag_write(
             u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max, backend=self.kernel,
             angle=angle,

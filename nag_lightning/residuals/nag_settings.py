@@ -14,11 +14,15 @@ on the token's direction; or the turn of a renormalised addition."""
 GATE_READS = ("state", "update", "tangent")
 """What the gated angle's gate reads: the state, the state and the update, or the state, times the
 update's tangential share."""
+INERTIA = ("none", "norm", "lane")
+"""Whether the norm lane feeds back into the additive angle's step: not at all, as pre-norm's norm,
+or as NAG's learned lane."""
 
 
 def check_settings(theta_max: float, norm_lane_readout: bool, bound: str, angle: str, angle_cost: float,
                    gate_radial: bool, gate_reads: str = "state", learned_bound: bool = False,
-                   channel_scale: bool = False, gate_gain: float | None = None) -> None:
+                   channel_scale: bool = False, gate_gain: float | None = None,
+                   inertia: str = "none") -> None:
     """One sentence for settings of NAG it cannot run with, given to the constructor or read from a
     checkpoint's saved state (`NAGResidual.set_extra_state`), where they may be any value."""
     if angle not in ANGLES:
@@ -49,6 +53,11 @@ def check_settings(theta_max: float, norm_lane_readout: bool, bound: str, angle:
     if gate_gain is not None and not (_number(gate_gain) and math.isfinite(gate_gain) and gate_gain > 0):
         raise ValueError(f"gate_gain must be positive, or null for sqrt(d_model); got "
                          f"{shorten(repr(gate_gain))}.")
+    if inertia not in INERTIA:
+        raise ValueError(f"inertia must be one of {INERTIA}; got {shorten(repr(inertia))}.")
+    if inertia != "none" and angle != "additive":
+        raise ValueError(f"inertia scales the additive angle's step by the state's norm; got "
+                         f"angle={angle!r}: give angle: additive, or drop inertia.")
 
 
 def _number(value: object) -> bool:
