@@ -130,7 +130,7 @@ def test_schedule_settings_are_checked():
 
 
 def test_isoflop_recipes_anneal_at_the_end_of_their_budget():
-    from nag_lightning.analysis.isoflop_study import DEFAULT_RECIPES
+    from nag_lightning.analysis.studies.isoflop import DEFAULT_RECIPES
 
     recipes = sorted((ROOT / "recipes" / "isoflop").glob("*.yaml"))
     assert sorted(r.stem for r in recipes) == sorted(DEFAULT_RECIPES)  # the study runs every one

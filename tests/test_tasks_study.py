@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nag_lightning.analysis import study
-from nag_lightning.analysis.tasks_study import task_settings, tasks_study
+from nag_lightning.analysis.studies import study
+from nag_lightning.analysis.studies.tasks import task_settings, tasks_study
 from nag_lightning.tasks.evaluation import evaluate_checkpoint, task_sequences
 from tests.helpers import run_command
 from tests.test_study import InProcess

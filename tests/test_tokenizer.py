@@ -272,7 +272,7 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
     assert out.count(" sublayers\n") == 5
 
     # the post-training sweep reports bits per byte of the checkpoint's tokens too
-    from nag_lightning.analysis.sweep import sweep
+    from nag_lightning.analysis.sweeps.sweep import sweep
 
     paths = sweep(str(ckpt), out_dir=str(tmp_path / "sweep"), taus=[0.0], val_batches=2,
                   fit_batches=2, source=str(corpus), cache_dir=str(cache))

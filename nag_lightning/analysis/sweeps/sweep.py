@@ -28,11 +28,16 @@ import torch
 from torch import Tensor
 
 from nag_lightning.analysis.checks import check_at_least_one, check_device, check_not_empty, check_seed
-from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, saved_module
-from nag_lightning.analysis.oracle import oracle as oracle_of
-from nag_lightning.analysis.probes import attach_sweep_routers, fit_probes
-from nag_lightning.analysis.sweep_report import ORACLE, SweepRow, plot, report, write_csv
-from nag_lightning.analysis.sweepable import RouterSweep, sweep_of
+from nag_lightning.analysis.evaluation.checkpoint import (
+    checkpoint_data,
+    evaluate,
+    first_batches,
+    saved_module,
+)
+from nag_lightning.analysis.sweeps.oracle import oracle as oracle_of
+from nag_lightning.analysis.sweeps.probes import attach_sweep_routers, fit_probes
+from nag_lightning.analysis.sweeps.report import ORACLE, SweepRow, plot, report, write_csv
+from nag_lightning.analysis.sweeps.sweepable import RouterSweep, sweep_of
 from nag_lightning.checkpoints.reader import read_saved
 from nag_lightning.checkpoints.trust import is_remote
 from nag_lightning.model import SUBLAYER_KINDS, Transformer
@@ -141,7 +146,7 @@ def sweepable(kind: type[Router]) -> RouterSweep:
     if adapter is None or adapter.setting is None:
         raise ValueError(
             f"The router {plugin_name(kind)!r} cannot be swept: it names no setting to vary after "
-            "training (implement nag_lightning.analysis.sweepable.Sweepable on it), so sweep a model "
+            "training (implement nag_lightning.analysis.sweeps.sweepable.Sweepable on it), so sweep a model "
             "trained with another router."
         )
     return adapter
@@ -254,7 +259,7 @@ def default_out_dir(ckpt_path: str) -> Path:
 
 def sweep_command(args: list[str]) -> None:
     """`nag-lightning sweep`: accuracy against executed compute of a checkpoint's routing."""
-    from nag_lightning.cli import flags_named, function_parser
+    from nag_lightning.arguments import flags_named, function_parser
 
     parser = function_parser(sweep, "nag-lightning sweep", sweep.__doc__.split("\n")[0], skip=("own_run",))
     options = parser.parse_args(args)

@@ -2,12 +2,12 @@
 registry. Needs the optional extra: `pip install 'nag-lightning[eval]'`.
 
     nag-lightning eval --ckpt_path CKPT_OR_DIR --tasks hellaswag            (the package's command)
-    python -m nag_lightning.analysis.lm_eval_model --model nag-lightning --model_args ckpt=CKPT \
+    python -m nag_lightning.analysis.evaluation.lm_eval_model --model nag-lightning --model_args ckpt=CKPT \
         --tasks hellaswag                                                   (lm-eval's own command)
 
 lm-eval finds a model by name only in its registry, which it fills from its own modules; it has
 no plugin discovery (no entry points), so the registration below runs when this module is
-imported: by the two commands above, or by `import nag_lightning.analysis.lm_eval_model` before
+imported: by the two commands above, or by `import nag_lightning.analysis.evaluation.lm_eval_model` before
 `lm_eval.simple_evaluate(model="nag-lightning", ...)`.
 
 How the model answers, in batches of `batch_size` sequences:

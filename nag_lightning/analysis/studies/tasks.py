@@ -4,7 +4,7 @@ every token has a known difficulty (`nag_lightning.tasks`).
 Every run is `nag-lightning fit` on a task recipe (`recipes/tasks/*.yaml`) with only
 `model.arch.n_layers`, `model.arch.residual`, the seed, the residual's own learning rate (`--lrs`)
 and, with `--routers`, the router's options changed, trained and cached as every study's runs are
-(`nag_lightning.analysis.study`) under `{residual}-L{depth}-s{seed}[-{router}]`. After training,
+(`nag_lightning.analysis.studies.study`) under `{residual}-L{depth}-s{seed}[-{router}]`. After training,
 each run's last checkpoint is evaluated by difficulty (`nag_lightning.tasks.evaluation`) on
 `--eval_sequences` sequences from an evaluation seed stream that neither training nor validation
 draws from; the evaluation is cached in the run's folder as difficulty.json.
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import yaml
 
-from nag_lightning.analysis.depth_study import check_options
-from nag_lightning.analysis.plotting import pyplot, save
-from nag_lightning.analysis.study import (
+from nag_lightning.analysis.studies.depth import check_options
+from nag_lightning.analysis.reports.plotting import pyplot, save
+from nag_lightning.analysis.studies.study import (
     DEFAULT_RESIDUALS,
     find_recipe,
     fit_run,
