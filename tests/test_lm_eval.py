@@ -123,8 +123,9 @@ def test_multiple_choice_and_generation_answer_as_the_model_does(bytes_model, tm
 
 
 def test_lm_evals_own_command_finds_the_model(bytes_model, tmp_path):
-    """`python -m nag_lightning.analysis.evaluation.lm_eval_model` is lm-eval's command with the model
-    registered (lm-eval discovers no plugins), and lm-eval's registry gives the class by name."""
+    """`python -m nag_lightning.analysis.lm_eval_model` (the path of earlier releases) is lm-eval's
+    command with the model registered (lm-eval discovers no plugins), and lm-eval's registry gives
+    the class by name."""
     pytest.importorskip("lm_eval")
     from lm_eval.api.registry import get_model
 
@@ -134,7 +135,7 @@ def test_lm_evals_own_command_finds_the_model(bytes_model, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(nag_lightning.__file__).resolve().parents[1]),
            "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "nag_lightning.analysis.evaluation.lm_eval_model", "--model", "nag-lightning",
+        [sys.executable, "-m", "nag_lightning.analysis.lm_eval_model", "--model", "nag-lightning",
          "--model_args", f"ckpt={bytes_model}", "--tasks", "nag_local_choice", "--include_path", str(TASKS),
          "--limit", "2", "--batch_size", "2", "--device", "cpu"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
