@@ -14,8 +14,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget
 from nag_lightning.model import TransformerConfig
-from nag_lightning.training.module import LanguageModel, warmup_stable_decay
+from nag_lightning.training.module import LanguageModel
 from nag_lightning.training.module import __file__ as module_file
+from nag_lightning.training.optim import warmup_stable_decay
 from tests.test_budget import SIGN, dense_step_flops, loader, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
