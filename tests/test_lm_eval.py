@@ -19,7 +19,8 @@ from nag_lightning.analysis.evaluation.checkpoint import evaluate
 from nag_lightning.analysis.evaluation.generate import generate
 from nag_lightning.checkpoints.export import export_checkpoint
 from nag_lightning.checkpoints.reader import read_saved
-from nag_lightning.data.tokenizer import HFTokenizer, train_bpe
+from nag_lightning.data.bpe_training import train_bpe
+from nag_lightning.data.tokenizer import HFTokenizer
 from tests.helpers import run_cli, run_command
 from tests.test_export import said_once, save_like_fit, tiny_module
 
