@@ -1,6 +1,6 @@
 """What every study shares: one training run per point, in its own process, cached.
 
-A study (`nag-lightning study NAME`, each in `analysis/<name>_study.py`) is a function whose typed
+A study (`nag-lightning study NAME`, each in `analysis/studies/<name>.py`) is a function whose typed
 signature is its command line; it trains its points with `fit_run`, `nag-lightning fit` in a child
 process (a crash costs one run, not the study) logging to `out/<name>/version_0`. A finished run,
 one whose `result.json` exists, is not run again, so an interrupted study resumes where it
