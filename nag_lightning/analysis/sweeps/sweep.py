@@ -6,8 +6,8 @@ claim 5: MoD as a post-training knob).
                   angle itself), fit their probes, if any, with the model frozen (`probes`)
                ─> trained with a router: its own routers as trained
     then, for every value of the routers' sweep setting (tau in radians, top-k capacity, ...),
-    evaluate N validation batches (`evaluation`): MoD rate, executed forward FLOPs per token,
-    loss, bits per byte  ─> sweep.csv, sweep.png (`sweep_report`)
+    evaluate N validation batches (`analysis.evaluation.checkpoint`): MoD rate, executed forward
+    FLOPs per token, loss, bits per byte  ─> sweep.csv, sweep.png (`report`)
 
 The sweep asks routers only through `sweepable.sweep_of`, so a router of another package, named by
 class path, that implements `Sweepable` sweeps as the built-in ones do. When the setting is an
