@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, FloatingPointError) as error:
         if os.environ.get("NAG_LIGHTNING_TRACEBACK"):
             raise
-        print(f"nag-lightning: error: {error}", file=sys.stderr)
+        from nag_lightning.inputs import shorten_message
+
+        print(f"nag-lightning: error: {shorten_message(str(error))}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -5,7 +5,8 @@ functions included: a lazy import hides a dependency from Python, not from a rea
 layer is that of the longest prefix of its name in `LAYERS`; a module may import its own layer or
 any below it, and the files of one layer may not import each other in a circle.
 
-    0  arguments, registry, data      what every layer may use
+    0  arguments, inputs, registry,   what every layer may use
+       data
     1  residuals, routers             the model's plugins
     2  model                          the network, plain torch.nn
     3  callbacks, checkpoints, tasks  what training is built from
@@ -25,6 +26,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nag_lightning"
 
 LAYERS = {
     "nag_lightning.arguments": 0,
+    "nag_lightning.inputs": 0,
     "nag_lightning.registry": 0,
     "nag_lightning.data": 0,
     "nag_lightning.residuals": 1,

@@ -36,6 +36,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from nag_lightning.inputs import shorten
+
 
 class RunCheckpoint(ModelCheckpoint):
     """`ModelCheckpoint` whose `last.ckpt` is always the newest finite state of the run.
@@ -205,19 +207,19 @@ def trusted_state(state: object, dirpath: str | None) -> dict[str, Any]:
     for key in _PATH_KEYS:
         if key in kept and not _inside(kept[key], dirpath):
             if not (own != dirpath and _inside(kept[key], own)):
-                dropped.append(f"{key}={kept[key]!r}")
+                dropped.append(f"{key}={shorten(repr(kept[key]))}")
             kept[key] = ""
     for key in _SCORE_KEYS:
         if key in kept and kept[key] is not None and not _is_score(kept[key]):
-            dropped.append(f"{key}={kept[key]!r}")
+            dropped.append(f"{key}={shorten(repr(kept[key]))}")
             kept[key] = None
     if "best_k_models" in kept:
         models = kept["best_k_models"]
         models = models if isinstance(models, dict) else {}
         good = {path: score for path, score in models.items() if _inside(path, dirpath) and _is_score(score)}
-        dropped += [f"best_k_models[{path!r}]" for path in models if path not in good]
+        dropped += [f"best_k_models[{shorten(repr(path))}]" for path in models if path not in good]
         if not isinstance(kept["best_k_models"], dict):
-            dropped.append(f"best_k_models={kept['best_k_models']!r}")
+            dropped.append(f"best_k_models={shorten(repr(kept['best_k_models']))}")
         kept["best_k_models"] = good
     if "best_model_path" not in kept:
         kept["best_model_path"] = ""

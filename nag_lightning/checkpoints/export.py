@@ -38,6 +38,7 @@ from nag_lightning.checkpoints.exported import (  # noqa: F401 - the format's na
     read_exported,
 )
 from nag_lightning.data.tokenizer import HFTokenizer, Tokenizer, _bytes_to_unicode
+from nag_lightning.inputs import output_folder
 
 
 def export(saved, out: str | Path) -> Path:
@@ -121,6 +122,7 @@ def export_checkpoint(ckpt_path: str, out: str, trust_checkpoint: bool = False) 
     """
     from nag_lightning.checkpoints.reader import read_saved
 
+    output_folder(out, "--out")  # before the checkpoint is read: one that cannot be written ends here
     saved = read_saved(ckpt_path)
     saved.check_plugins(trust_checkpoint)
     saved.transformer()  # every weight fits the model the settings describe, none is missing

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from nag_lightning.data.tokenizer import BYTES, HFTokenizer, Tokenizer
+from nag_lightning.inputs import shorten
 
 WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.json"
 FORMAT = "nag-lightning"
@@ -61,7 +62,7 @@ def read_exported(path: str | Path) -> dict:
 def _read_config(file: Path, source: str | Path) -> dict:
     try:
         config = json.loads(file.read_text(encoding="utf-8"), parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:  # Recursion: nested too deep
         raise ValueError(
             f"The {CONFIG} of {source} is not valid JSON ({str(error)[:120]}); export the "
             "checkpoint again with `nag-lightning export`."
@@ -72,7 +73,7 @@ def _read_config(file: Path, source: str | Path) -> dict:
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         problem = f"it does not say format: {FORMAT!r}"
     elif config.get("format_version") != FORMAT_VERSION:
-        problem = f"format_version {config.get('format_version')!r} is not {FORMAT_VERSION}"
+        problem = f"format_version {shorten(repr(config.get('format_version')))} is not {FORMAT_VERSION}"
     else:
         wrong = [k for k, kind in expected.items() if not isinstance(config.get(k), kind)
                  or isinstance(config.get(k), bool)]

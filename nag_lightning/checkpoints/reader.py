@@ -38,8 +38,11 @@ from nag_lightning.checkpoints.compat import upgrade_checkpoint
 from nag_lightning.checkpoints.exported import is_exported, read_exported
 from nag_lightning.checkpoints.settings import saved_architecture, saved_model_settings
 from nag_lightning.checkpoints.trust import check_plugins, read_checkpoint
+from nag_lightning.checkpoints.values import check_finite, check_lightning_version, check_saved_settings
 from nag_lightning.data.tokenizer import Tokenizer, load_saved
+from nag_lightning.inputs import shorten
 from nag_lightning.model import Transformer, TransformerConfig
+from nag_lightning.model.limits import TooLarge
 
 MODEL_PREFIX = "model."  # the Transformer's weights in a LightningModule's state dict
 _PROGRESS_KEYS = frozenset({"ready", "started", "processed", "completed"})
@@ -97,10 +100,19 @@ class SavedCheckpoint:
 
     def check_weights(self, arch: Mapping[str, Any] | None = None) -> None:
         """One sentence if the weights do not fit the `Transformer` the saved settings (or `arch`)
-        describe, checked on the meta device: settings that do not fit allocate nothing."""
+        describe, or its plugins refuse the settings they saved, checked on the meta device:
+        settings that do not fit allocate nothing."""
+        try:
+            config = TransformerConfig(**(self.arch if arch is None else arch))
+        except TooLarge as error:
+            raise ValueError(
+                f"The checkpoint {self.source} describes a model this machine cannot hold: "
+                f"{error.problem}; {error.checkpoint_advice}."
+            ) from None
         with torch.device("meta"):
-            expected = Transformer(TransformerConfig(**(self.arch if arch is None else arch))).state_dict()
-        check_weights(expected, self.model_weights, self.source)
+            model = Transformer(config)
+        check_weights(model.state_dict(), self.model_weights, self.source)
+        check_saved_settings(model, self.model_weights, self.source)
 
     def transformer(self, device: str = "cpu") -> Transformer:
         """The trained `Transformer`, in eval mode on `device`."""
@@ -129,6 +141,8 @@ def read_saved(path: str | Path) -> SavedCheckpoint:
     exported = is_exported(source)
     raw = read_exported(source) if exported else read_checkpoint(source)
     check_contents(raw, source)
+    check_finite(raw["state_dict"], source)
+    check_lightning_version(raw, source)
     return SavedCheckpoint(source, upgrade_checkpoint(raw), exported)
 
 
@@ -166,10 +180,10 @@ def check_contents(raw: Mapping, source: str) -> None:
         )
     not_tensors = [k for k, v in raw["state_dict"].items()
                    if not isinstance(k, str) or not (torch.is_tensor(v) or k.endswith("_extra_state"))]
-    problems = [f"state_dict[{k!r}] is not a tensor" for k in not_tensors[:1]]
+    problems = [f"state_dict[{shorten(repr(k))}] is not a tensor" for k in not_tensors[:1]]
     for key in ("global_step", "epoch"):
         if key in raw and not _count(raw[key]):
-            problems.append(f"{key}={raw[key]!r} is not a non-negative integer")
+            problems.append(f"{key}={shorten(repr(raw[key]))} is not a non-negative integer")
     if "loops" in raw:
         problems += _loop_problems(raw["loops"], "loops")[:1]
     if problems:
@@ -191,11 +205,11 @@ def _loop_problems(state: object, where: str) -> list[str]:
     problems = []
     for key, value in state.items():
         if key in _PROGRESS_KEYS and not _count(value):
-            problems.append(f"{where}[{key!r}]={value!r} is not a non-negative integer")
+            problems.append(f"{where}[{key!r}]={shorten(repr(value))} is not a non-negative integer")
         elif key == "_batches_that_stepped" and not _count(value):
-            problems.append(f"{where}[{key!r}]={value!r} is not a non-negative integer")
+            problems.append(f"{where}[{key!r}]={shorten(repr(value))} is not a non-negative integer")
         elif key == "is_last_batch" and not isinstance(value, bool):
-            problems.append(f"{where}[{key!r}]={value!r} is not true or false")
+            problems.append(f"{where}[{key!r}]={shorten(repr(value))} is not true or false")
         elif isinstance(value, Mapping) and key != "combined_loader":
             problems += _loop_problems(value, f"{where}[{key!r}]")
     return problems

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nag_lightning.checkpoints.compat import ARCH, current_layout
+from nag_lightning.inputs import shorten
 from nag_lightning.model import RESUMABLE_CHANGES
 
 
@@ -33,7 +34,7 @@ def architecture_differences(saved: Mapping[str, Any], current: Mapping[str, Any
     but `RESUMABLE_CHANGES`) that the two architectures give otherwise; a setting `current` does not
     hold yet (vocab_size, before the data module sets it) is left to the check at load time."""
     return [
-        f"model.arch.{name}={value!r} (this run: {current[name]!r})"
+        f"model.arch.{name}={shorten(repr(value))} (this run: {shorten(repr(current[name]))})"
         for name, value in saved.items()
         if name in current and name not in RESUMABLE_CHANGES and _plain(value) != _plain(current[name])
     ]

@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 import torch
 
 from nag_lightning.checkpoints.settings import ARCH, saved_architecture
+from nag_lightning.inputs import shorten
 from nag_lightning.registry import Registry
 from nag_lightning.residuals import RESIDUALS
 from nag_lightning.routers import ROUTERS
@@ -176,7 +177,7 @@ def untrusted_plugins(settings: Mapping, configured: Mapping | None = None) -> l
                 continue
             if plugin_class_path(own.get(key)) == path:
                 continue  # the user wrote this class path in their own config: their code, their call
-            found.append(f"model.arch.{key}={path!r}")
+            found.append(f"model.arch.{key}={shorten(repr(path))}")
     return found
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from nag_lightning.inputs import shorten
+
 BYTES = "bytes"
 _BPE = re.compile(r"bpe:(\d+)")
 # Ids fit the narrowest dtype litdata stores: chunks of a 4096-id BPE take 2 bytes per token.
@@ -96,7 +98,7 @@ class Tokenizer:
         return {"spec": self.spec}
 
     def describe(self) -> str:
-        return f"data.tokenizer={self.spec!r} ({self.vocab_size} ids)"
+        return f"data.tokenizer={shorten(repr(self.spec))} ({self.vocab_size} ids)"
 
 
 class HFTokenizer(Tokenizer):
@@ -111,7 +113,7 @@ class HFTokenizer(Tokenizer):
             raise
         except BaseException as error:  # a panic of the Rust library included
             raise ValueError(
-                f"{spec} is not a Hugging Face tokenizer.json ({str(error)[:120]}); give the "
+                f"{shorten(spec)} is not a Hugging Face tokenizer.json ({str(error)[:120]}); give the "
                 "tokenizer.json file of a `tokenizers` tokenizer, 'bytes', or 'bpe:<vocab size>'."
             ) from None
         self.json_text = json_text
@@ -119,12 +121,12 @@ class HFTokenizer(Tokenizer):
         ids = self.hf.get_vocab(with_added_tokens=True).values()
         if not ids:
             raise ValueError(
-                f"The tokenizer {spec} has an empty vocabulary; give a tokenizer.json with tokens."
+                f"The tokenizer {shorten(spec)} has an empty vocabulary; give a tokenizer.json with tokens."
             )
         self.vocab_size = max(ids) + 1
         if self.vocab_size > MAX_VOCAB:
             raise ValueError(
-                f"The tokenizer {spec} has a token id of {self.vocab_size - 1}, above the "
+                f"The tokenizer {shorten(spec)} has a token id of {self.vocab_size - 1}, above the "
                 f"{MAX_VOCAB} ids this package handles (its tables have one entry per id); give a "
                 "tokenizer.json with a smaller vocabulary."
             )
@@ -366,7 +368,7 @@ def _load_saved(saved: object) -> Tokenizer:
         return Tokenizer()
     if not isinstance(saved.get("json"), str):
         raise ValueError(
-            f"The checkpoint names the tokenizer {saved['spec']!r} but does not hold it; give a "
+            f"The checkpoint names the tokenizer {shorten(repr(saved['spec']))} but does not hold it; give a "
             "checkpoint written by `nag-lightning fit`."
         )
     return HFTokenizer(saved["json"], saved["spec"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nag_lightning.model.limits import check_size
+
 SUBLAYER_KINDS = ("attn", "mlp")  # the sublayers of every block, in order
 
 
@@ -63,6 +65,7 @@ class TransformerConfig:
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        check_size(self)  # before anything is built: sizes from a file may be any number
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.arch.{name} must be at least 1; got {getattr(self, name)}.")

@@ -40,12 +40,10 @@ import math
 import torch
 from torch import Tensor, nn
 
-from nag_kernels import BACKENDS, BOUNDS, gated_angle, gated_nag_write, nag_write
+from nag_kernels import BACKENDS, gated_angle, gated_nag_write, nag_write
+from nag_lightning.inputs import shorten
 from nag_lightning.residuals import RESIDUALS, ResidualStrategy, State
-
-ANGLES = ("magnitude", "gate")
-"""Where a sublayer's angle comes from: the size of its tangential output, bounded, or a learned
-gate on the token's direction."""
+from nag_lightning.residuals.nag_settings import ANGLES, check_settings
 
 
 @RESIDUALS.register("nag")
@@ -74,7 +72,9 @@ class NAGResidual(ResidualStrategy):
             eager writes, the PyTorch reference for small ones), "triton", "inductor" or "torch"
             (the reference always); see `nag_kernels.BACKENDS`.
         angle: "gate" (theta_max * sigmoid(sqrt(d) <w_l, u> + b_l) * g; alpha and bound are
-            unused) or "magnitude" (the bounded size of the sublayer's tangential output); see
+            unused), "additive" (the turn u + g alpha_l f / sqrt(d) makes, renormalised: the
+            additive residual's geometry at a norm held at sqrt(d); theta_max pi) or "magnitude"
+            (the bounded size of the sublayer's tangential output); see
             the module docstring. None means "gate"; a checkpoint loads only into a model of its
             own angle, since the angle decides which parameters exist.
         gate_bias: initial b_l of the gated angle (0: every token starts at theta_max / 2).
@@ -90,6 +90,20 @@ class NAGResidual(ResidualStrategy):
             the gate, and skipping a token of small angle loses little of either lane. None
             means on for the gated angle, or, when a checkpoint is loaded, what it was trained
             with.
+        gate_reads: what the gated angle's gate reads: "state" (the token's direction u alone,
+            known before the sublayer runs) or "update" (u and the direction of what the
+            sublayer wrote, f / |f|, with weights of their own initialised at 0: the angle then
+            depends on the write, and no router can read it before the sublayer runs), or
+            "tangent" (the gate on u times |f_perp| / |f|, the sine of the angle between f and u:
+            an update along the state turns it little).
+        learned_bound: the gated angle's bound is learned per sublayer, pi * sigmoid(s_l), s_l
+            starting at theta_max, instead of fixed at theta_max.
+        channel_scale: the write turns toward c_l * f (a learned gain per channel and sublayer,
+            starting at 1) instead of f: each dimension of the direction moves at its own rate,
+            as nGPT's eigen learning rates (arXiv 2410.01131).
+        gate_gain: the scale of the gate's dot product with u (and with f / |f|); None means
+            sqrt(d_model), which makes an Adam step on w move the gate's logit by about
+            0.8 * d_model * lr: a gain of 1 makes the gate learn sqrt(d_model) times slower.
     """
 
     def __init__(
@@ -106,38 +120,37 @@ class NAGResidual(ResidualStrategy):
         gate_bias: float = 0.0,
         angle_cost: float | None = None,
         gate_radial: bool | None = None,
+        gate_reads: str = "state",
+        learned_bound: bool = False,
+        channel_scale: bool = False,
+        gate_gain: float | None = None,
     ) -> None:
         super().__init__(d_model, n_sublayers)
         # Which settings were given, not defaulted: a checkpoint's settings replace defaulted ones
         # and must agree with given ones (set_extra_state).
         self._given = {"theta_max": theta_max is not None, "norm_lane_readout": norm_lane_readout is not None,
                        "bound": bound != "tanh", "angle": angle is not None,
-                       "angle_cost": angle_cost is not None, "gate_radial": gate_radial is not None}
+                       "angle_cost": angle_cost is not None, "gate_radial": gate_radial is not None,
+                       "gate_gain": gate_gain is not None}
         angle = "gate" if angle is None else angle
-        if angle not in ANGLES:
-            raise ValueError(f"angle must be one of {ANGLES}; got {angle!r}.")
-        if theta_max is None:
+        if theta_max is None and angle in ANGLES:
             # at most a right angle: in a model of one or two blocks 8/N would exceed it
-            theta_max = min(8.0 / n_sublayers, math.pi / 2) if angle == "gate" else 4.0 / n_sublayers
+            defaults = {"gate": min(8.0 / n_sublayers, math.pi / 2), "additive": math.pi}
+            theta_max = defaults.get(angle, 4.0 / n_sublayers)
         norm_lane_readout = True if norm_lane_readout is None else norm_lane_readout
-        if not 0 < theta_max <= math.pi:
-            raise ValueError(f"theta_max must be in (0, pi] radians; got {theta_max}.")
-        if bound not in BOUNDS:
-            raise ValueError(f"bound must be one of {BOUNDS}; got {bound!r}.")
-        if kernel not in BACKENDS:
-            raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
         if angle_cost is None:
             angle_cost = self.ANGLE_COST if angle == "gate" else 0.0
-        if angle_cost < 0 or (angle_cost > 0 and angle != "gate"):
-            raise ValueError(f"angle_cost must be >= 0 and prices the gated angle only; got {angle_cost} "
-                             f"with angle={angle!r}: give angle: gate, or drop angle_cost.")
-        self.angle_cost = angle_cost
         if gate_radial is None:
             gate_radial = self.GATE_RADIAL and angle == "gate"
-        if gate_radial and angle != "gate":
-            raise ValueError(f"gate_radial scales the radial update by the gated angle; got angle={angle!r}: "
-                             "give angle: gate, or drop gate_radial.")
+        check_settings(theta_max=theta_max, norm_lane_readout=norm_lane_readout, bound=bound, angle=angle,
+                       angle_cost=angle_cost, gate_radial=gate_radial, gate_reads=gate_reads,
+                       learned_bound=learned_bound, channel_scale=channel_scale, gate_gain=gate_gain)
+        if kernel not in BACKENDS:
+            raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
+        self.angle_cost = angle_cost
         self.gate_radial = gate_radial
+        self.gate_reads, self.learned_bound, self.channel_scale = gate_reads, learned_bound, channel_scale
+        self.gate_gain = gate_gain
         # this training pass's sum of theta / theta_max over writes and tokens (None: nothing
         # priced yet), and its number of tokens: a routed write sees only its executed tokens, and
         # a skipped token turns by 0. A tensor, not a list: a list's length would be guarded
@@ -148,7 +161,8 @@ class NAGResidual(ResidualStrategy):
         self.norm_lane_readout = norm_lane_readout
         self.kernel = kernel
         self.bound = bound
-        alpha_init = 1 / math.sqrt(n_sublayers) if alpha_init is None else alpha_init
+        if alpha_init is None:
+            alpha_init = 1.0 if angle == "additive" else 1 / math.sqrt(n_sublayers)
         self.gamma = nn.Parameter(torch.ones(n_sublayers, d_model))
         self.gamma_out = nn.Parameter(torch.ones(d_model))
         self.alpha = nn.Parameter(torch.full((n_sublayers,), float(alpha_init)))
@@ -157,6 +171,13 @@ class NAGResidual(ResidualStrategy):
         if angle == "gate":  # only then: a magnitude-angle checkpoint keeps its parameters
             self.gate_w = nn.Parameter(torch.zeros(n_sublayers, d_model))
             self.gate_b = nn.Parameter(torch.full((n_sublayers,), float(gate_bias)))
+        if gate_reads == "update":
+            self.gate_v = nn.Parameter(torch.zeros(n_sublayers, d_model))
+        if learned_bound:
+            start = math.log(theta_max / (math.pi - theta_max)) if theta_max < math.pi else 4.0
+            self.bound_logit = nn.Parameter(torch.full((n_sublayers,), start))
+        if channel_scale:
+            self.channel_gain = nn.Parameter(torch.ones(n_sublayers, d_model))
 
     # The defaults of the gated angle: with them skipping the quarter of smallest angles after
     # training costs less than pre-norm's, at the quality of the unpriced gate
@@ -166,7 +187,11 @@ class NAGResidual(ResidualStrategy):
 
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
-    SETTINGS = ("theta_max", "norm_lane_readout", "bound", "angle", "angle_cost", "gate_radial")
+    SETTINGS = ("theta_max", "norm_lane_readout", "bound", "angle", "angle_cost", "gate_radial", "gate_reads",
+                "learned_bound", "channel_scale", "gate_gain")
+    # Settings that decide which parameters exist: a checkpoint loads only into a model built with
+    # its own values.
+    STRUCTURE = ("angle", "gate_reads", "learned_bound", "channel_scale")
     # Settings of the training objective, not of the function the weights compute: a value given
     # to the model (to go on training under another price) wins over the checkpoint's.
     OBJECTIVE = ("angle_cost",)
@@ -187,16 +212,24 @@ class NAGResidual(ResidualStrategy):
                     f"The checkpoint was trained with {name}={value}; this model was given "
                     f"{name}={getattr(self, name)}: drop the option or give the checkpoint's value."
                 )
-        if state.get("angle", self.angle) != self.angle:  # the angle decides the parameters
-            raise ValueError(
-                f"The checkpoint was trained with angle={state['angle']}; this model was built with "
-                f"angle={self.angle}: give residual_options angle={state['angle']}."
-            )
-        for name in self.SETTINGS:
-            setattr(self, name, given.get(name, state.get(name, getattr(self, name))))
-        if self.angle_cost and self.angle != "gate":
-            raise ValueError(f"The checkpoint was trained with angle={self.angle}, and angle_cost prices "
-                             "the gated angle only: drop angle_cost.")
+        for name in self.STRUCTURE:  # these decide the parameters
+            if state.get(name, getattr(self, name)) != getattr(self, name):
+                saved = shorten(str(state[name]))
+                raise ValueError(
+                    f"The checkpoint was trained with {name}={saved}; this model was built with "
+                    f"{name}={getattr(self, name)}: give residual_options {name}={saved}."
+                )
+        settings = {name: given.get(name, state.get(name, getattr(self, name))) for name in self.SETTINGS}
+        if settings["angle_cost"] and settings["angle"] != "gate":
+            raise ValueError(f"The checkpoint was trained with angle={settings['angle']}, and angle_cost "
+                             "prices the gated angle only: drop angle_cost.")
+        self.check_saved(settings)  # the constructor's rules: saved settings may come from anyone
+        for name, value in settings.items():
+            setattr(self, name, value)
+
+    def check_saved(self, settings: dict) -> None:
+        """One sentence for saved settings this strategy cannot run with."""
+        check_settings(**{name: settings[name] for name in NAGResidual.SETTINGS})
 
     def init_state(self, embedding: Tensor) -> State:
         self._turned, self._tokens = None, embedding.shape[:-1].numel()
@@ -213,8 +246,14 @@ class NAGResidual(ResidualStrategy):
         self, state: State, f: Tensor, gate: Tensor | None, index: int, need_angle: bool = True
     ) -> tuple[State, Tensor | None]:
         u, rho = state
+        if self.channel_scale:
+            f = f * self.channel_gain[index].to(f.dtype)
+        if self.angle == "gate" and self._angle_outside:
+            return self._given_write(u, rho, f, gate, index)
         if self.angle == "gate":
             return self._gated_write(u, rho, f, gate, index)
+        if self.angle == "additive":
+            return self._additive_write(u, rho, f, gate, index)
         u_new, rho_new, theta, _ = nag_write(
             u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max,
             backend=self.kernel, bound=self.bound,
@@ -223,29 +262,89 @@ class NAGResidual(ResidualStrategy):
 
     def gate_angle(self, u: Tensor, index: int) -> Tensor:
         """The gated angle of every token before any router's gate, (...,) in fp32: known from the
-        token's own direction before the sublayer runs."""
-        return gated_angle(u, self.gate_w[index], self.gate_b[index], self.theta_max, math.sqrt(self.d_model))
+        token's own direction before the sublayer runs (with gate_reads "state")."""
+        return gated_angle(u, self.gate_w[index], self.gate_b[index], self.bound_of(index), self.gain)
+
+    @property
+    def gain(self) -> float:
+        """The scale of the gate's dot products: gate_gain, or sqrt(d_model)."""
+        return math.sqrt(self.d_model) if self.gate_gain is None else self.gate_gain
+
+    def bound_of(self, index: int) -> float | Tensor:
+        """Sublayer `index`'s bound on the gated angle: theta_max, or its learned bound."""
+        return math.pi * torch.sigmoid(self.bound_logit[index]) if self.learned_bound else self.theta_max
+
+    @property
+    def _angle_outside(self) -> bool:
+        """Whether the gated angle is computed here and given to the write, rather than inside
+        the fused gated write (which knows the fixed bound and the gate on u only)."""
+        return self.gate_reads != "state" or self.learned_bound
 
     @property
     def plans_angle(self) -> bool:
-        return self.angle == "gate"
+        return self.angle == "gate" and self.gate_reads == "state"
 
     def planned_angle(self, state: State, index: int) -> Tensor | None:
-        """The gated angle, known before the sublayer runs; None for the magnitude angle."""
-        if self.angle != "gate":
+        """The gated angle, known before the sublayer runs; None for the magnitude angle and for
+        a gate that reads the update."""
+        if not self.plans_angle:
             return None
         return self.gate_angle(state[0], index).detach()
+
+    def _given_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
+        """The gated write with its angle computed here: from the update too (gate_reads
+        "update"), or under a learned bound."""
+        bound = self.bound_of(index)
+        logit = self.gain * (u.float() @ self.gate_w[index].float()) + self.gate_b[index].float()
+        f32 = f.float()
+        size = torch.linalg.vector_norm(f32, dim=-1, keepdim=True).clamp_min(1e-12)
+        if self.gate_reads == "update":
+            logit = logit + self.gain * ((f32 / size) @ self.gate_v[index].float())
+        share = torch.sigmoid(logit)  # the angle's share of the bound
+        if self.gate_reads == "tangent":
+            # times sin of the angle between f and u: an update that agrees with the state turns
+            # it little, rather than a full gated angle toward the rounding of its perpendicular part
+            radial = (f32 * u.float()).sum(-1, keepdim=True) / size
+            share = share * (1 - radial.square()).clamp_min(0).sqrt().squeeze(-1)
+        if gate is not None:
+            share = share * gate.float()
+        angle = bound * share
+        u_new, rho_new, theta, _ = nag_write(
+            u, f, rho, share if self.gate_radial else gate, self.alpha[index], self.beta[index],
+            self.theta_max,
+            backend=self.kernel, angle=angle,
+        )
+        if self.angle_cost and self.training:
+            turned = share.sum()
+            self._turned = turned if self._turned is None else self._turned + turned
+        return (u_new, rho_new), theta.detach().abs()
 
     def _gated_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
         # With a given angle the write's gate scales only the radial update: by the angle's share
         # of the bound (gate_radial), or by the router's gate.
         u_new, rho_new, theta, angle = gated_nag_write(
             u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max, self.gate_w[index],
-            self.gate_b[index], math.sqrt(self.d_model), radial=self.gate_radial, backend=self.kernel,
+            self.gate_b[index], self.gain, radial=self.gate_radial, backend=self.kernel,
         )  # fmt: skip
         if self.angle_cost and self.training:
             turned = angle.sum() / self.theta_max
             self._turned = turned if self._turned is None else self._turned + turned
+        return (u_new, rho_new), theta.detach().abs()
+
+    def _additive_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
+        """u' = (u + k f) / |u + k f| with k = g alpha_l / sqrt(d): the turn an additive residual
+        gives a state of norm sqrt(d), atan2(k |f_perp|, 1 + k a), then the norm is set back."""
+        f32, u32 = f.float(), u.float()
+        k = self.alpha[index].float() / math.sqrt(self.d_model)
+        if gate is not None:
+            k = k * gate.float()
+        a = (f32 * u32).sum(-1)
+        n = torch.linalg.vector_norm(f32 - a.unsqueeze(-1) * u32, dim=-1)
+        angle = torch.atan2(k * n, 1 + k * a)
+        u_new, rho_new, theta, _ = nag_write(
+            u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max, backend=self.kernel,
+            angle=angle,
+        )
         return (u_new, rho_new), theta.detach().abs()
 
     def aux_loss(self) -> Tensor | None:

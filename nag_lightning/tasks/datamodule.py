@@ -26,8 +26,12 @@ import lightning as L
 import torch
 
 from nag_lightning.data.tokenizer import Tokenizer
+from nag_lightning.inputs import shorten
 from nag_lightning.tasks import UNPREDICTABLE, Labelled, Task, build_task
 
+MAX_DIFFICULTY = 2**31 - 1
+"""The largest difficulty label a file may give (labels are steps a token needs; a larger number
+is a mistake, and one beyond 2**63 would not fit the label tensor)."""
 FILE_PAD = ord(" ")
 """The token shorter lines of a file are padded with, labelled UNPREDICTABLE (left out of scores)."""
 
@@ -64,14 +68,15 @@ def read_labelled(path: str | Path, length: int, vocab_size: int = 256) -> Label
     format, k >= 1 the steps a token needs. One sentence for the first line that breaks the format."""
     rows, labels = [], []
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, "rb")  # decoded line by line, so an error names its line
     except OSError as error:
         raise FileNotFoundError(f"Cannot read the labelled sequences {str(path)!r} ({error.strerror}); "
                                 "give the path of a JSONL file.") from None
     with handle:
         for number, line in enumerate(handle, 1):
             if line.strip():
-                tokens, difficulty = _parse_line(line, f"{path}, line {number}", length, vocab_size)
+                where = f"{path}, line {number}"
+                tokens, difficulty = _parse_line(_decoded(line, where), where, length, vocab_size)
                 rows.append(tokens + [FILE_PAD] * (length - len(tokens)))
                 labels.append(difficulty + [UNPREDICTABLE] * (length - len(tokens)))
     if not rows:
@@ -80,11 +85,20 @@ def read_labelled(path: str | Path, length: int, vocab_size: int = 256) -> Label
     return Labelled(torch.tensor(rows), torch.tensor(labels))
 
 
+def _decoded(line: bytes, where: str) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{where} is not UTF-8 (byte {error.start + 1} of the line); save the file as "
+                         "UTF-8.") from None
+
+
 def _parse_line(line: str, where: str, length: int, vocab_size: int) -> tuple[list[int], list[int]]:
     try:
         entry = json.loads(line)
-    except ValueError as error:
-        raise ValueError(f"{where} is not JSON ({error.msg}); write one JSON object per line.") from None
+    except (ValueError, RecursionError) as error:  # RecursionError: brackets nested too deep
+        reason = shorten(getattr(error, "msg", None) or "nested too deeply")
+        raise ValueError(f"{where} is not JSON ({reason}); write one JSON object per line.") from None
     if not isinstance(entry, dict) or ("text" in entry) == ("tokens" in entry) or "difficulty" not in entry:
         raise ValueError(f'{where} needs "difficulty" and exactly one of "text" and "tokens"; see '
                          "docs/tasks.md.")
@@ -102,6 +116,9 @@ def _parse_line(line: str, where: str, length: int, vocab_size: int) -> tuple[li
     if len(difficulty) != len(tokens):
         raise ValueError(f"{where} has {len(tokens)} {unit} but {len(difficulty)} difficulty labels; "
                          "give one label per token.")
+    if any(d > MAX_DIFFICULTY for d in difficulty):
+        raise ValueError(f"{where} has a difficulty label above {MAX_DIFFICULTY:,}; use -1 (unpredictable), "
+                         "0 (format) or the number of steps a token needs.")
     if any(d < UNPREDICTABLE for d in difficulty):
         raise ValueError(f"{where} has a difficulty label below -1; use -1 (unpredictable), 0 (format) "
                          "or the number of steps a token needs.")
@@ -142,8 +159,8 @@ class TrainBatches:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         index = state.get("index")
         if type(index) is not int or index < 0:
-            raise ValueError(f"The checkpoint's task loader state {state!r} holds no batch index; resume "
-                             "from a checkpoint of a run on task data.")
+            raise ValueError(f"The checkpoint's task loader state {shorten(repr(state))} holds no batch "
+                             "index; resume from a checkpoint of a run on task data.")
         self.index = index
 
 

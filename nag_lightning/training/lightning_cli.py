@@ -219,6 +219,7 @@ class NagCLI:
             )
         model_config = config.model.as_dict()
         checkpoint.check_plugins(config.get("trust_checkpoint"), model_config)
+        checkpoint.check_weights()  # sizes, shapes and saved settings, before data or model is built
         saved = copy.deepcopy(checkpoint.settings)
         if subcommand == "fit":
             check_architecture(saved, model_config.get("arch") or {}, ckpt_path)

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nag_lightning.inputs import output_folder
+
 _VERSION = re.compile(r"version_(\d+)")
 # Environment variables through which launchers (torchrun, SLURM, Lightning's own) give a process
 # its rank; only the first process of a job claims a folder.
@@ -249,6 +251,19 @@ def _resolve_last(config: Any, loggers: list[Any]) -> tuple[Path | None, int | N
     return (found[1], found[0]) if found else (None, None)
 
 
+def check_output_folders(config: Any, loggers: list[Any]) -> None:
+    """One sentence, before any folder is made, if a local folder the run writes into (a logger's
+    save_dir, trainer.default_root_dir, checkpoint.dirpath) lies inside a file or is not writable."""
+    folders = [(args.save_dir, "trainer.logger save_dir") for args in loggers]
+    if "trainer" in config:
+        folders.append((config.trainer.get("default_root_dir"), "trainer.default_root_dir"))
+    if "checkpoint" in config:
+        folders.append((config.checkpoint.get("dirpath"), "checkpoint.dirpath"))
+    for path, option in folders:
+        if path and "://" not in str(path):
+            output_folder(path, option)
+
+
 def prepare_run_folder(config: Any, subcommand: str | None,
                        step_of: Callable[[str], int] = checkpoint_step) -> RunFolder:
     """Resolve `ckpt_path: last` and give every folder logger of the run one claimed version.
@@ -260,6 +275,7 @@ def prepare_run_folder(config: Any, subcommand: str | None,
     """
     folder = RunFolder()
     loggers = _folder_loggers(config.trainer.logger) if "trainer" in config else []
+    check_output_folders(config, loggers)
     first_process = _is_first_process()
     resume_version = None
     if subcommand and config.get("ckpt_path") == "last":

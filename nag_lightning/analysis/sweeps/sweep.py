@@ -40,6 +40,7 @@ from nag_lightning.analysis.sweeps.report import ORACLE, SweepRow, plot, report,
 from nag_lightning.analysis.sweeps.sweepable import RouterSweep, sweep_of
 from nag_lightning.checkpoints.reader import read_saved
 from nag_lightning.checkpoints.trust import is_remote
+from nag_lightning.inputs import output_folder
 from nag_lightning.model import SUBLAYER_KINDS, Transformer
 from nag_lightning.model.flops import full_depth_forward_flops
 from nag_lightning.registry import plugin_name
@@ -210,6 +211,7 @@ def sweep(
     check_sweep_options(val_batches=val_batches, fit_batches=fit_batches, fit_lr=fit_lr, device=device,
                         seed=seed, values=values, taus=taus, capacities=capacities,
                         route_kinds=route_kinds)
+    out = output_folder(out_dir if out_dir is not None else default_out_dir(ckpt_path), "--out_dir")
     saved = read_saved(ckpt_path)  # the one read of the file
     module = saved_module(saved, device, trust_checkpoint)
     data = checkpoint_data(module, saved, trust_checkpoint or own_run, source=source,
@@ -220,7 +222,6 @@ def sweep(
     fit = None if trained_routed else first_batches(data.train_dataloader(), fit_batches)
     torch.manual_seed(seed)
     rows = run_sweep(module, val, fit, taus, capacities, route_kinds, fit_lr, oracle, values, router_options)
-    out = Path(out_dir) if out_dir is not None else default_out_dir(ckpt_path)
     cfg = module.config
     title = f"{_name(cfg.residual)}, router {_name(cfg.router)}, {len(val)} val batches"
     adapter = sweepable(type(routed_routers(module.model)[0]))

@@ -1,0 +1,181 @@
+"""The NAG formulation families (docs/design.md, "Formulation families"): each keeps the rotation
+picture's invariants, and each does what its option says."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nag_lightning.model import Transformer, TransformerConfig
+from nag_lightning.residuals import build_residual
+
+D, ROWS, N = 64, 16, 8
+
+FAMILIES = {
+    "gate (default)": ("nag", {}),
+    "gate reads the update": ("nag", {"gate_reads": "update"}),
+    "gate times the tangential share": ("nag", {"gate_reads": "tangent"}),
+    "learned bound": ("nag", {"learned_bound": True}),
+    "per-channel gain": ("nag", {"channel_scale": True}),
+    "step": ("nag", {"angle": "magnitude", "bound": "rational", "theta_max": math.pi / 2}),
+    "planes": ("nag_planes", {"planes": 4}),
+    "additive": ("nag", {"angle": "additive"}),
+}
+
+
+def build(name: str, options: dict):
+    strategy = build_residual(name, D, n_sublayers=N, **options)
+    with torch.no_grad():  # trained-looking parameters: angles differ between tokens and sublayers
+        generator = torch.Generator().manual_seed(3)
+        for param_name, param in strategy.named_parameters():
+            if param_name.startswith(("gate_w", "gate_v")):
+                param.normal_(0.0, 0.3, generator=generator)
+            elif param_name == "channel_gain":
+                param.uniform_(0.5, 1.5, generator=generator)
+            elif param_name == "bound_logit":
+                param.normal_(0.0, 1.0, generator=generator)
+    return strategy
+
+
+def state_and_update(strategy, scale: float = 1.0, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    state = strategy.init_state(torch.randn(ROWS, D, generator=g) * 3.0)
+    return state, scale * torch.randn(ROWS, D, generator=g)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scale", [0.0, 1e-3, 1.0, 1e6])
+def test_every_family_keeps_unit_norm_and_reports_the_angle_it_turned(family, scale):
+    strategy = build(*FAMILIES[family])
+    (u, rho), f = state_and_update(strategy, scale)
+    (u_new, rho_new), theta = strategy.write((u, rho), f, None, 3)
+    torch.testing.assert_close(u_new.norm(dim=-1), torch.ones(ROWS), atol=2e-6, rtol=0)
+    applied = torch.acos((u * u_new).sum(-1).clamp(-1, 1))
+    torch.testing.assert_close(applied, theta, atol=2e-3, rtol=0)
+    assert torch.isfinite(rho_new).all()
+    if scale == 0.0:
+        assert torch.equal(theta, torch.zeros(ROWS))  # nothing written, nothing turned
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_is_an_exact_identity_at_gate_zero(family):
+    strategy = build(*FAMILIES[family])
+    (u, rho), f = state_and_update(strategy)
+    (u_new, rho_new), theta = strategy.write((u, rho), f, torch.zeros(ROWS), 1)
+    assert torch.equal(u_new, u) and torch.equal(rho_new, rho) and torch.equal(theta, torch.zeros(ROWS))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_trains_and_its_checkpoint_loads_with_its_settings(family):
+    name, options = FAMILIES[family]
+    config = TransformerConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, seq_len=16, residual=name,
+                               residual_options=options)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    idx = torch.randint(0, 256, (2, 16))
+    out = model(idx)
+    (out.logits.float().logsumexp(-1).mean() + out.aux_loss).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    loaded = Transformer(config)
+    loaded.load_state_dict(model.state_dict())
+    torch.testing.assert_close(loaded.eval()(idx).logits, model.eval()(idx).logits)
+
+
+@pytest.mark.parametrize("option", [{"gate_reads": "update"}, {"learned_bound": True},
+                                    {"channel_scale": True}])
+def test_a_checkpoint_loads_only_into_a_model_of_its_own_structure(option):
+    trained = build("nag", option).state_dict()
+    with pytest.raises(ValueError, match=f"trained with {next(iter(option))}="):
+        build("nag", {}).load_state_dict(trained, strict=False)
+
+
+def test_the_tangent_gate_does_not_turn_a_state_its_update_agrees_with():
+    strategy = build("nag", {"gate_reads": "tangent"})
+    (u, rho), f = state_and_update(strategy)
+    (_, _), along = strategy.write((u, rho), 5.0 * u + 1e-4 * f, None, 0)
+    (_, _), across = strategy.write((u, rho), f - (f * u).sum(-1, keepdim=True) * u, None, 0)
+    gate = strategy.gate_angle(u, 0)
+    assert (along < 1e-3).all()  # the default gate would turn these by the full gated angle
+    torch.testing.assert_close(across, gate, atol=1e-4, rtol=0)  # f ⟂ u: the gated angle itself
+
+
+def test_the_update_reading_gate_depends_on_what_was_written_and_plans_nothing():
+    strategy = build("nag", {"gate_reads": "update"})
+    (u, rho), f = state_and_update(strategy)
+    (_, _), one = strategy.write((u, rho), f, None, 0)
+    (_, _), other = strategy.write((u, rho), f.roll(1, -1), None, 0)
+    (_, _), scaled = strategy.write((u, rho), 100.0 * f, None, 0)
+    assert not torch.allclose(one, other)
+    torch.testing.assert_close(one, scaled)  # the direction of f, not its size
+    assert strategy.planned_angle((u, rho), 0) is None and not strategy.plans_angle
+
+
+def test_the_learned_bound_starts_at_theta_max_and_stays_below_pi():
+    strategy = build_residual("nag", D, n_sublayers=N, learned_bound=True)
+    torch.testing.assert_close(strategy.bound_of(2), torch.tensor(strategy.theta_max))
+    with torch.no_grad():
+        strategy.bound_logit.fill_(50.0)
+    (u, rho), f = state_and_update(strategy)
+    (_, _), theta = strategy.write((u, rho), f, None, 2)
+    assert (theta <= math.pi).all() and theta.max() > strategy.theta_max
+
+
+def test_the_channel_gain_at_one_is_the_default_write():
+    plain = build_residual("nag", D, n_sublayers=N)
+    gained = build_residual("nag", D, n_sublayers=N, channel_scale=True)
+    (u, rho), f = state_and_update(plain)
+    (u1, r1), t1 = plain.write((u, rho), f, None, 0)
+    (u2, r2), t2 = gained.write((u, rho), f, None, 0)
+    for one, other in ((u1, u2), (r1, r2), (t1, t2)):
+        torch.testing.assert_close(one, other)
+
+
+def test_the_step_turns_by_the_size_of_the_update_and_not_along_the_state():
+    strategy = build("nag", FAMILIES["step"][1])
+    (u, rho), f = state_and_update(strategy)
+    f_perp = f - (f * u).sum(-1, keepdim=True) * u
+    (_, _), small = strategy.write((u, rho), 0.1 * f_perp, None, 0)
+    (_, _), large = strategy.write((u, rho), 10.0 * f_perp, None, 0)
+    (_, _), along = strategy.write((u, rho), 7.0 * u, None, 0)
+    assert (small < large).all() and (large < math.pi / 2).all() and (along < 1e-6).all()
+
+
+def test_planes_turn_each_group_on_its_own_sphere():
+    strategy = build("nag_planes", {"planes": 4})
+    (u, rho), f = state_and_update(strategy)
+    f[:, 16:] = 0.0  # an update into the first group only
+    (u_new, _), theta = strategy.write((u, rho), f, None, 0)
+    groups, new_groups = u.unflatten(-1, (4, 16)), u_new.unflatten(-1, (4, 16))
+    torch.testing.assert_close(new_groups.norm(dim=-1), torch.full((ROWS, 4), 0.5), atol=2e-6, rtol=0)
+    torch.testing.assert_close(new_groups[:, 1:], groups[:, 1:])  # the other groups keep what they held
+    assert (theta > 0).all()
+    planned = strategy.planned_angle((u, rho), 0)
+    assert planned.shape == (ROWS,) and (planned >= theta - 1e-5).all()  # f reaches one group of four
+
+
+def test_the_additive_angle_turns_as_a_renormalised_additive_residual():
+    strategy = build("nag", {"angle": "additive"})
+    (u, rho), f = state_and_update(strategy)
+    (u_new, _), theta = strategy.write((u, rho), f, None, 2)
+    added = u + strategy.alpha[2].detach() * f / math.sqrt(D)
+    torch.testing.assert_close(u_new, added / added.norm(dim=-1, keepdim=True), atol=2e-6, rtol=0)
+    (_, _), against = strategy.write((u, rho), f - 3 * math.sqrt(D) * u, None, 2)
+    assert (against > math.pi / 2).any()  # an update against the state turns it past a right angle
+
+
+def test_the_gate_gain_scales_the_gates_dot_product_and_travels_in_checkpoints():
+    slow = build_residual("nag", D, n_sublayers=N, gate_gain=1.0)
+    with torch.no_grad():
+        slow.gate_w.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(4))
+    (u, rho), f = state_and_update(slow)
+    expected = slow.theta_max * torch.sigmoid(u @ slow.gate_w[0] + slow.gate_b[0])
+    torch.testing.assert_close(slow.gate_angle(u, 0), expected.detach())
+    (_, _), theta = slow.write((u, rho), f, None, 0)
+    torch.testing.assert_close(theta, expected.detach(), atol=1e-4, rtol=0)
+    loaded = build_residual("nag", D, n_sublayers=N)
+    loaded.load_state_dict(slow.state_dict())
+    assert loaded.gate_gain == 1.0
+    with pytest.raises(ValueError, match="trained with gate_gain=1.0"):
+        build_residual("nag", D, n_sublayers=N, gate_gain=2.0).load_state_dict(slow.state_dict())
