@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from nag_lightning.analysis.evaluation import load_checkpoint
-from nag_lightning.analysis.generate import generate_tokens
+from nag_lightning.analysis.evaluation.checkpoint import load_checkpoint
+from nag_lightning.analysis.evaluation.generate import generate_tokens
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.model.inference import CachedDecoder, generate_cached
 from nag_lightning.routers.threshold import ThresholdRouter

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from nag_lightning import Transformer, TransformerConfig
 from nag_lightning.residuals import RESIDUALS
-from nag_lightning.training.module import fused_adamw
+from nag_lightning.training.optim import fused_adamw
 
 
 def build(residual: str, args: argparse.Namespace, **config) -> tuple[Transformer, torch.optim.Optimizer]:

@@ -1,4 +1,5 @@
-"""Tables and a figure of the runs `task_depth_probe.py --diagnose` cached under a folder.
+"""Tables and a figure of the runs `task_depth_probe.py --diagnose` cached under a folder (the
+probe's last version: `git show 903e526:experiments/task_depth_probe.py`).
 
     python experiments/diagnosis_report.py RUNS_DIR [--figure docs/PNG] [--match SUBSTRING ...]
 

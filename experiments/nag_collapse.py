@@ -4,7 +4,8 @@
         --options '{"theta_max": 1.5707963}'
     OMP_NUM_THREADS=1 python experiments/nag_collapse.py --n-layers 16 --residual prenorm
 
-Trains one model for `--steps` AdamW steps (lr 3e-3, 30 warmup steps, clip 1.0, no weight decay)
+Trains one model for `--steps` AdamW steps (lr 3e-3, 30 warmup steps, clip 1.0, no weight decay;
+the optimizer and schedule of `nag_lightning.training.optim`)
 on the first training batches of the default corpus, printing the training bits per byte every 25
 steps. At the end it prints, after each block, the *coherence* of the token directions on a
 held-out batch: the norm of the mean of the tokens' unit state vectors (0 when directions are
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from nag_lightning import Transformer, TransformerConfig
 from nag_lightning.data import TextDataModule
+from nag_lightning.training.optim import adamw, lr_factor
 
 
 def batches(count: int, seq_len: int, batch_size: int, cache_dir: str) -> list[torch.Tensor]:
@@ -69,11 +71,12 @@ def main() -> None:
     cfg = TransformerConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=4, seq_len=128,
                             residual=args.residual, residual_options=json.loads(args.options))
     model = Transformer(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    # The package's AdamW groups (no decay here) and its schedule: 30 warmup steps, then constant.
+    optimizer = adamw(model, 3e-3, betas=(0.9, 0.999), weight_decay=0.0)
     curve = []
     for step in range(args.steps):
         for group in optimizer.param_groups:
-            group["lr"] = 3e-3 * min(1.0, (step + 1) / 30)
+            group["lr"] = 3e-3 * lr_factor("cosine", step, 30, args.steps, step / args.steps, 1.0, 1.0)
         batch = data[step]
         loss = F.cross_entropy(model(batch[:, :-1]).logits.flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()

@@ -1,6 +1,7 @@
 """Diagnostics of a residual stream during training on a task: what each write does to a token.
 
-Used by `task_depth_probe.py --diagnose` (docs/results_tasks.md, "Why NAG is behind"). Every
+Used by `task_depth_probe.py --diagnose` (docs/results_tasks.md, "Why NAG is behind"; the probe's
+last version is `git show 903e526:experiments/task_depth_probe.py`). Every
 `--eval_every` steps, on 64 evaluation sequences, per sublayer:
 
     angle            mean angle the write turned a token by (rad), at format and at answer tokens

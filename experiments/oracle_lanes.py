@@ -1,8 +1,8 @@
 """Where NAG's cost of skipping sits: the oracle that skips both lanes, against one that skips only
 the direction (docs/results.md, section 0, "The price of turning").
 
-The sweep's oracle (`nag_lightning.analysis.oracle`) skips a sublayer for every token whose measured angle
-is below tau: neither its rotation nor its radial (log-norm) update is written. This script
+The sweep's oracle (`nag_lightning.analysis.sweeps.oracle`) skips a sublayer for every token whose
+measured angle is below tau: neither its rotation nor its radial (log-norm) update is written. This script
 evaluates, for every sublayer and at the tau values that bracket a MoD rate, that oracle and a
 variant that still writes the radial update of the skipped tokens, on the same validation batches:
 
@@ -19,8 +19,13 @@ import json
 
 import torch
 
-from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, saved_module
-from nag_lightning.analysis.oracle import OracleSublayer, oracle
+from nag_lightning.analysis.evaluation.checkpoint import (
+    checkpoint_data,
+    evaluate,
+    first_batches,
+    saved_module,
+)
+from nag_lightning.analysis.sweeps.oracle import OracleSublayer, oracle
 from nag_lightning.checkpoints.reader import read_saved
 
 

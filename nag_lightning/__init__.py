@@ -9,8 +9,9 @@ The package, by job: `model/` (the network and what runs it), `residuals/` and `
 plugins, found through `registry`), `data/` (text to token batches, tokenizers), `tasks/`
 (synthetic labelled data), `training/` (the LightningModule and run folders), `callbacks/`,
 `checkpoints/` (the one reader, trust and earlier formats), `analysis/` (studies, sweeps,
-generation) and `cli` (the command table). Module paths of earlier releases still import
-(`checkpoints.compat.MOVED_MODULES`), so the class paths saved in their checkpoints resolve.
+evaluation and generation, reports) and `cli` (the command table). Imports only point down the
+package's layers (docs/usage.md, "Layout"; tests/test_layers.py). Module paths of earlier releases
+still import (`checkpoints.compat.MOVED_MODULES`), so the class paths saved in their checkpoints resolve.
 """
 
 from nag_lightning.checkpoints.compat import install_moved_modules

@@ -12,7 +12,7 @@ import lightning.pytorch  # noqa: F401 - imported here, its log handlers keep th
 import pytest
 import torch
 
-from nag_lightning.analysis.sweepable import sweep_of
+from nag_lightning.analysis.sweeps.sweepable import sweep_of
 from nag_lightning.cli import main
 from nag_lightning.routers.topk import TopKRouter
 from tests.helpers import DEBUG, fit_args, run_cli, run_command
@@ -228,7 +228,7 @@ def test_compare_refuses_a_damaged_run(kind, checkpoint, tmp_path, capsys):
 
 
 def test_a_study_refuses_a_damaged_metrics_file(tmp_path):
-    from nag_lightning.analysis.study import final_val_bpb
+    from nag_lightning.analysis.studies.study import final_val_bpb
 
     metrics = tmp_path / "metrics.csv"
     metrics.write_text("step,val/bpb\n3,2.5\n6,nan?\n")

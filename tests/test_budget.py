@@ -278,7 +278,7 @@ def test_accounting_options_are_checked():
 
 
 def test_compare_reads_finished_runs(tmp_path, capsys):
-    from nag_lightning.analysis.compare import compare_command
+    from nag_lightning.analysis.reports.compare import compare_command
 
     finished = {}
     for name, router in (("dense", "none"), ("routed", SIGN)):
@@ -304,14 +304,14 @@ def test_compare_reads_finished_runs(tmp_path, capsys):
 
 
 def test_compare_says_what_is_missing(tmp_path):
-    from nag_lightning.analysis.compare import compare
+    from nag_lightning.analysis.reports.compare import compare
 
     with pytest.raises(FileNotFoundError, match="metrics.csv"):
         compare([tmp_path])
 
 
 def test_compare_shows_a_run_without_flop_totals_with_dashes(tmp_path, capsys):
-    from nag_lightning.analysis.compare import compare_command
+    from nag_lightning.analysis.reports.compare import compare_command
 
     counted, uncounted = tmp_path / "runs" / "counted", tmp_path / "runs" / "uncounted"
     counted.mkdir(parents=True)

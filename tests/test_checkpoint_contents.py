@@ -250,7 +250,7 @@ def test_every_command_reads_a_checkpoint_file_exactly_once(name, trained, workd
 def test_the_trainer_restores_the_dict_already_read(trained, workdir, tmp_path, capsysbinary, monkeypatch):
     """A file swapped after the command read it changes nothing: Lightning restores the state read
     and checked first, not what the path holds by then."""
-    from nag_lightning import cli
+    from nag_lightning.training import lightning_cli as cli
 
     last = copy_run(trained, tmp_path)
     install = cli.preloaded_checkpoint_io

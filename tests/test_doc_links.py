@@ -67,3 +67,17 @@ def test_relative_links_resolve(page):
         elif anchor and file.suffix == ".md" and anchor not in anchors(file):
             broken.append(f"{target} (no heading with the anchor #{anchor} in {file.name})")
     assert not broken, f"{page.relative_to(ROOT)} links to: " + "; ".join(broken)
+
+
+def test_every_figure_in_docs_is_cited_by_a_page():
+    """A figure no page shows is one a reader cannot place: current ones are cited by the results
+    pages, superseded ones by the archive (results_history.md), or they are deleted."""
+    cited = {(page.parent / target.partition("#")[0]).resolve()
+             for page in PAGES for target in relative_links(page)}
+    figures = sorted((ROOT / "docs").rglob("*.png"))
+    assert figures
+    assert [f.relative_to(ROOT).as_posix() for f in figures if f.resolve() not in cited] == []
+
+
+def test_the_readme_stays_short():
+    assert len((ROOT / "README.md").read_text(encoding="utf-8")) < 12_500

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from nag_lightning import RESIDUALS, ROUTERS
 from nag_lightning.checkpoints.export import CONFIG, TOKENIZER, WEIGHTS, export_checkpoint
 from nag_lightning.checkpoints.reader import read_saved
-from nag_lightning.data.tokenizer import HFTokenizer, train_bpe
+from nag_lightning.data.bpe_training import train_bpe
+from nag_lightning.data.tokenizer import HFTokenizer
 from nag_lightning.model import TransformerConfig
 from nag_lightning.training.module import LanguageModel
 from tests.helpers import run_cli, run_command

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nag_lightning import Transformer, TransformerConfig
-from nag_lightning.analysis import generate as generate_module
-from nag_lightning.analysis.generate import generate_tokens
+from nag_lightning.analysis.evaluation import generate as generate_module
+from nag_lightning.analysis.evaluation.generate import generate_tokens
 
 
 def topk_model() -> Transformer:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nag_lightning import RESIDUALS, ROUTERS, Transformer, TransformerConfig
-from nag_lightning.analysis.generate import generate_tokens, use_causal_routing
+from nag_lightning.analysis.evaluation.generate import generate_tokens, use_causal_routing
 from nag_lightning.model.inference import CachedDecoder, Sampling, generate_cached, sample
 from nag_lightning.routers.threshold import ThresholdRouter
 

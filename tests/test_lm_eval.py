@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 import nag_lightning
-from nag_lightning.analysis.evaluation import evaluate
-from nag_lightning.analysis.generate import generate
+from nag_lightning.analysis.evaluation.checkpoint import evaluate
+from nag_lightning.analysis.evaluation.generate import generate
 from nag_lightning.checkpoints.export import export_checkpoint
 from nag_lightning.checkpoints.reader import read_saved
-from nag_lightning.data.tokenizer import HFTokenizer, train_bpe
+from nag_lightning.data.bpe_training import train_bpe
+from nag_lightning.data.tokenizer import HFTokenizer
 from tests.helpers import run_cli, run_command
 from tests.test_export import said_once, save_like_fit, tiny_module
 
@@ -66,7 +67,7 @@ def test_rolling_bits_per_byte_equal_the_packages_own_evaluation_of_the_same_win
                                                                                      tokenizer):
     """lm-eval's bits_per_byte of nag_local_rolling (each document's rolling log-likelihood over
     windows of seq_len predictions, the first predicted from the prefix token, a newline; summed
-    over documents, over their UTF-8 bytes) against `nag_lightning.analysis.evaluation.evaluate`
+    over documents, over their UTF-8 bytes) against `nag_lightning.analysis.evaluation.checkpoint.evaluate`
     on the same token rows: per document, [newline] + its tokens cut into rows of seq_len + 1
     tokens that overlap by one (the data module's layout), each row run alone. The two layouts
     are the same windows when each document fills whole windows (lm-eval gives a last, partial
@@ -123,12 +124,13 @@ def test_multiple_choice_and_generation_answer_as_the_model_does(bytes_model, tm
 
 
 def test_lm_evals_own_command_finds_the_model(bytes_model, tmp_path):
-    """`python -m nag_lightning.analysis.lm_eval_model` is lm-eval's command with the model
-    registered (lm-eval discovers no plugins), and lm-eval's registry gives the class by name."""
+    """`python -m nag_lightning.analysis.lm_eval_model` (the path of earlier releases) is lm-eval's
+    command with the model registered (lm-eval discovers no plugins), and lm-eval's registry gives
+    the class by name."""
     pytest.importorskip("lm_eval")
     from lm_eval.api.registry import get_model
 
-    from nag_lightning.analysis.lm_eval_model import NagLM
+    from nag_lightning.analysis.evaluation.lm_eval_model import NagLM
 
     assert get_model("nag-lightning") is NagLM
     env = {**os.environ, "PYTHONPATH": str(Path(nag_lightning.__file__).resolve().parents[1]),
@@ -162,14 +164,14 @@ def test_eval_refuses_bad_options_in_one_sentence(bytes_model, tmp_path, capsys)
 def test_without_lm_eval_the_command_says_how_to_install_it(monkeypatch, capsys, tmp_path):
     for name in [m for m in sys.modules if m.split(".")[0] == "lm_eval"] + ["lm_eval"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed: every import of it fails
-    monkeypatch.delitem(sys.modules, "nag_lightning.analysis.lm_eval_model", raising=False)
+    monkeypatch.delitem(sys.modules, "nag_lightning.analysis.evaluation.lm_eval_model", raising=False)
     status, err = run_cli(["eval", "--ckpt_path", str(tmp_path / "x.ckpt"), "--tasks", "[a]"], capsys)
     assert status == 1 and said_once(err, "pip install 'nag-lightning[eval]'"), err
 
 
 def test_the_base_package_never_imports_lm_eval():
     code = ("import sys, nag_lightning, nag_lightning.cli, nag_lightning.checkpoints.export, "
-            "nag_lightning.training.module, nag_lightning.analysis.lm_eval_command\n"
+            "nag_lightning.training.module, nag_lightning.analysis.evaluation.lm_eval_command\n"
             "from nag_lightning.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "assert 'lm_eval' not in sys.modules, 'lm_eval imported'")

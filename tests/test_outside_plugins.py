@@ -175,7 +175,9 @@ def test_compare_names_the_plugins(trained, outside, capsys):
 
 
 def test_the_studies_run_and_read_plugin_runs(outside, monkeypatch):
-    from nag_lightning.analysis import isoflop_study, study, tradeoff_study
+    from nag_lightning.analysis.studies import isoflop as isoflop_study
+    from nag_lightning.analysis.studies import study
+    from nag_lightning.analysis.studies import tradeoff as tradeoff_study
     from tests.test_study import InProcess
 
     monkeypatch.setattr(study, "subprocess", InProcess)

@@ -586,7 +586,7 @@ def test_angle_predictor_needs_a_residual_that_knows_its_angle_in_advance(residu
                                          "with these options plans none"):
         tiny(residual, "threshold", router_options={"predictor": "angle"}, residual_options=options)
     # and when a sweep attaches such routers to a model trained without any
-    from nag_lightning.analysis.probes import attach_sweep_routers
+    from nag_lightning.analysis.sweeps.probes import attach_sweep_routers
 
     model = tiny(residual, "none", residual_options=options)
     with pytest.raises(ValueError, match="plans none"):
@@ -605,7 +605,7 @@ def test_angle_predictor_reaches_its_target_rate_and_learns_nothing_itself():
 
 
 def test_angle_predictor_generates_with_the_kv_cache_as_without():
-    from nag_lightning.analysis.generate import generate_tokens, use_causal_routing
+    from nag_lightning.analysis.evaluation.generate import generate_tokens, use_causal_routing
     from nag_lightning.model.inference import generate_cached
 
     prompt = list(b"def main(args):\n    ")

@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from nag_lightning.analysis.compare import compare
+from nag_lightning.analysis.reports.compare import compare
 from nag_lightning.cli import main
 from nag_lightning.training.runs import claim_version, latest_run
 from tests.helpers import run_cli

@@ -14,8 +14,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from nag_lightning.callbacks import FlopAccounting, FlopBudget
 from nag_lightning.model import TransformerConfig
-from nag_lightning.training.module import LanguageModel, warmup_stable_decay
+from nag_lightning.training.module import LanguageModel
 from nag_lightning.training.module import __file__ as module_file
+from nag_lightning.training.optim import warmup_stable_decay
 from tests.test_budget import SIGN, dense_step_flops, loader, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +131,7 @@ def test_schedule_settings_are_checked():
 
 
 def test_isoflop_recipes_anneal_at_the_end_of_their_budget():
-    from nag_lightning.analysis.isoflop_study import DEFAULT_RECIPES
+    from nag_lightning.analysis.studies.isoflop import DEFAULT_RECIPES
 
     recipes = sorted((ROOT / "recipes" / "isoflop").glob("*.yaml"))
     assert sorted(r.stem for r in recipes) == sorted(DEFAULT_RECIPES)  # the study runs every one

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from nag_lightning.analysis import depth_study as depth
-from nag_lightning.analysis import study
-from nag_lightning.analysis.depth_study import depth_study, plot_norm_growth
-from nag_lightning.analysis.study import fit_run
+from nag_lightning.analysis.studies import depth, study
+from nag_lightning.analysis.studies.depth import depth_study, plot_norm_growth
+from nag_lightning.analysis.studies.study import fit_run
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml")
 
@@ -83,7 +82,7 @@ def test_depth_study_writes_tables_and_figures_and_resumes(tmp_path, launch):
 
 
 def test_isoflop_study_runs_every_recipe_and_seed_and_aggregates(tmp_path, launch):
-    from nag_lightning.analysis.isoflop_study import isoflop_study
+    from nag_lightning.analysis.studies.isoflop import isoflop_study
 
     recipes = [str(Path(__file__).resolve().parents[1] / "recipes" / "isoflop" / f"{name}.yaml")
                for name in ("nag", "nag_threshold20")]
@@ -103,7 +102,7 @@ def test_isoflop_study_runs_every_recipe_and_seed_and_aggregates(tmp_path, launc
 
 
 def test_tradeoff_study_sweeps_both_residuals_onto_one_plot(tmp_path, launch):
-    from nag_lightning.analysis.tradeoff_study import tradeoff_study
+    from nag_lightning.analysis.studies.tradeoff import tradeoff_study
 
     extra = ["--trainer.max_steps=3", "--trainer.val_check_interval=3",
              f"--data.cache_dir={tmp_path / 'cache'}"]
@@ -119,7 +118,7 @@ def test_tradeoff_study_sweeps_both_residuals_onto_one_plot(tmp_path, launch):
 
 
 def test_cost_at_rate_interpolates_over_the_full_depth_bpb():
-    from nag_lightning.analysis.tradeoff_study import cost_at_rate
+    from nag_lightning.analysis.studies.tradeoff import cost_at_rate
 
     rows = [{"method": "threshold", "mod_rate": rate, "bpb": bpb}
             for rate, bpb in ((0.0, 3.0), (0.1, 3.1), (0.3, 3.5))]
@@ -129,7 +128,7 @@ def test_cost_at_rate_interpolates_over_the_full_depth_bpb():
 
 
 def test_paired_gains_match_runs_of_the_same_depth_and_seed():
-    from nag_lightning.analysis.depth_study import paired_gains
+    from nag_lightning.analysis.studies.depth import paired_gains
 
     results = [{"residual": r, "depth": d, "seed": s, "val_bpb": v} for r, d, s, v in (
         ("prenorm", 4, 1, 3.0), ("nag", 4, 1, 2.9), ("prenorm", 4, 2, 3.2), ("nag", 4, 2, 3.3),
@@ -154,7 +153,9 @@ def test_studies_find_their_default_recipes_from_any_folder(tmp_path, monkeypatc
     own, and a study trains on it."""
     import inspect
 
-    from nag_lightning.analysis import isoflop_study, tasks_study, tradeoff_study
+    from nag_lightning.analysis.studies import isoflop as isoflop_study
+    from nag_lightning.analysis.studies import tasks as tasks_study
+    from nag_lightning.analysis.studies import tradeoff as tradeoff_study
 
     root = Path(__file__).resolve().parents[1] / "recipes"
     monkeypatch.chdir(tmp_path)
@@ -220,7 +221,7 @@ def test_a_sweep_picks_on_one_half_of_validation_and_reports_the_other(tmp_path)
 
 
 def test_the_nag_gain_is_stated_against_the_best_other_strategy(tmp_path, monkeypatch):
-    from nag_lightning.analysis import study
+    from nag_lightning.analysis.studies import study
 
     bpb = {"prenorm": 3.0, "nag": 2.8, "lns": 2.7, "periln": 2.9, "ngpt": 3.1}
 
@@ -248,7 +249,7 @@ def test_the_nag_gain_is_stated_against_the_best_other_strategy(tmp_path, monkey
 def test_angle_spread_is_the_median_over_sublayers_of_q10_over_q90(tmp_path):
     import json
 
-    from nag_lightning.analysis.study import angle_spread
+    from nag_lightning.analysis.studies.study import angle_spread
 
     path = tmp_path / "depth_diagnostics.json"
     path.write_text(json.dumps([{"q0.1": [9.0, 9.0, 9.0], "q0.9": [9.0, 9.0, 9.0]},  # not the last
@@ -274,7 +275,7 @@ def test_each_strategy_may_sweep_learning_rates_of_its_own(tmp_path, monkeypatch
     """`--lrs` as a mapping: each strategy trains only its own grid, and reports its best on it."""
     import pytest
 
-    from nag_lightning.analysis import study
+    from nag_lightning.analysis.studies import study
 
     trained = []
 
@@ -296,7 +297,7 @@ def test_each_strategy_may_sweep_learning_rates_of_its_own(tmp_path, monkeypatch
 
 def test_tradeoff_study_finds_the_runs_of_a_learning_rate_sweep(tmp_path, monkeypatch):
     """With `lrs`, each residual's run is the depth study's run at that learning rate."""
-    from nag_lightning.analysis import tradeoff_study as tradeoff
+    from nag_lightning.analysis.studies import tradeoff
 
     trained, swept = [], []
     monkeypatch.setattr(tradeoff, "run_one", lambda *args: trained.append((args[2], args[-1])))
@@ -312,7 +313,7 @@ def test_tradeoff_study_finds_the_runs_of_a_learning_rate_sweep(tmp_path, monkey
 
 
 def test_tradeoff_study_passes_each_residuals_router_options_to_its_sweeps(tmp_path, monkeypatch):
-    from nag_lightning.analysis import tradeoff_study as tradeoff
+    from nag_lightning.analysis.studies import tradeoff
 
     options = []
     monkeypatch.setattr(tradeoff, "run_one", lambda *args: None)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nag_lightning.analysis.generate import generate, generate_tokens, sample_next
-from nag_lightning.analysis.sweep import run_sweep, sweep
+from nag_lightning.analysis.evaluation.generate import generate, generate_tokens, sample_next
+from nag_lightning.analysis.sweeps.sweep import run_sweep, sweep
 from nag_lightning.cli import main
 from nag_lightning.model import TransformerConfig
 from nag_lightning.training.module import LanguageModel

@@ -7,9 +7,15 @@ import pytest
 import torch
 from torch import Tensor
 
-from nag_lightning.analysis.oracle import OracleSublayer, oracle, under_oracle
-from nag_lightning.analysis.sweep import run_sweep
-from nag_lightning.analysis.sweepable import OwnSweep, ThresholdSweep, TopKSweep, UnroutedSweep, sweep_of
+from nag_lightning.analysis.sweeps.oracle import OracleSublayer, oracle, under_oracle
+from nag_lightning.analysis.sweeps.sweep import run_sweep
+from nag_lightning.analysis.sweeps.sweepable import (
+    OwnSweep,
+    ThresholdSweep,
+    TopKSweep,
+    UnroutedSweep,
+    sweep_of,
+)
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.routers import NoRouter, Route, Router
 from nag_lightning.routers.threshold import ThresholdRouter

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nag_lightning.analysis.oracle import oracle
+from nag_lightning.analysis.sweeps.oracle import oracle
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.tasks import FORMAT, UNPREDICTABLE, Labelled, build_task
 from nag_lightning.tasks.evaluation import (

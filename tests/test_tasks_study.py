@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nag_lightning.analysis import study
-from nag_lightning.analysis.tasks_study import task_settings, tasks_study
+from nag_lightning.analysis.studies import study
+from nag_lightning.analysis.studies.tasks import recipe_setting, steps_to_reach, task_settings, tasks_study
 from nag_lightning.tasks.evaluation import evaluate_checkpoint, task_sequences
 from tests.helpers import run_command
 from tests.test_study import InProcess
@@ -51,6 +51,12 @@ def test_study_tasks_trains_evaluates_and_reports_every_run(tmp_path, monkeypatc
     assert markdown.count("\n| nag |") == 2 and markdown.count("\n| prenorm |") == 2
     for figure in ("tasks.png", "tasks_compute.png"):
         assert (out / figure).stat().st_size > 10_000
+    with (out / "tasks_history.csv").open() as handle:  # accuracy per level at every validation
+        history = list(csv.DictReader(handle))
+    nag_k1 = [r for r in history if r["residual"] == "nag" and r["depth"] == "2" and r["name"] == "k1"]
+    assert [int(r["step"]) for r in nag_k1] == [2] and 0 <= float(nag_k1[0]["accuracy"]) <= 1
+    steps = (out / "tasks_steps.md").read_text()
+    assert "| residual | router | blocks | format | k1 | k2 | k3 |" in steps and "reached 0.9" in steps
     with pytest.raises(ValueError, match="more than the checkpoint's model.arch.seq_len = 48"):
         evaluate_checkpoint(str(out / "nag-L1-s3" / "version_0" / "checkpoints" / "last.ckpt"),
                             task_sequences("hops", {}, 2, 65, seed=0))
@@ -65,18 +71,33 @@ def test_study_tasks_trains_evaluates_and_reports_every_run(tmp_path, monkeypatc
 
 def test_each_router_setting_is_its_own_run_and_its_skips_are_counted(tmp_path, monkeypatch, in_process,
                                                                        one_thread):
+    """With --iso_flop every run spends the full-depth model's FLOPs of the recipe's steps: the
+    unrouted run stops at those steps, the routed one, cheaper per step, trains longer."""
     monkeypatch.chdir(tmp_path)
     topk = ["--model.arch.router=topk", "--model.arch.router_options={capacity: 0.5}"]
     rows = tasks_study(recipe=DEBUG, out="study", depths=[2], seeds=[1], residuals=["nag"],
-                       routers={"none": [], "topk50": topk}, eval_sequences=4,
-                       extra=["--trainer.max_steps=2", "--trainer.val_check_interval=2"])
+                       routers={"none": [], "topk50": topk}, eval_sequences=4, iso_flop=True,
+                       extra=["--trainer.max_steps=2", "--trainer.val_check_interval=1"])
     assert {r["router"] for r in rows} == {"none", "topk50"}
     config = tmp_path / "study" / "nag-L2-s1-topk50" / "version_0" / "config.yaml"
     assert "router: topk" in config.read_text()
+    assert "reference_tokens: 384" in config.read_text() and "schedule: wsd" in config.read_text()
+    steps = {r["router"]: r["steps"] for r in rows}
+    assert steps["none"] == 2 and steps["topk50"] > 2, steps
     skips = {r["router"]: sum(x["skip_rate"] * x["count"] for x in rows if x["router"] == r["router"])
              for r in rows}
     assert skips["none"] == 0 and skips["topk50"] > 0
     assert "| nag | topk50 | 2 |" in (tmp_path / "study" / "tasks.md").read_text()
+
+
+def test_steps_to_reach_and_recipe_settings(tmp_path):
+    history = [{"step": 2, "name": "k1", "accuracy": 0.5}, {"step": 2, "name": "k2", "accuracy": 0.1},
+               {"step": 4, "name": "k1", "accuracy": 0.95}, {"step": 4, "name": "k2", "accuracy": 0.2},
+               {"step": 6, "name": "k1", "accuracy": 0.85}]
+    assert steps_to_reach(history, 0.9) == {"k1": 4, "k2": None}
+    assert recipe_setting(DEBUG, [], "data.batch_size") == 4
+    assert recipe_setting(DEBUG, ["--trainer.max_steps=9"], "trainer.max_steps") == 9
+    assert recipe_setting(DEBUG, [], "model.arch.seq_len") == 48
 
 
 def test_a_recipe_on_text_is_refused_with_one_sentence(tmp_path):

@@ -18,6 +18,7 @@ from litdata import StreamingDataset, TokensLoader
 from nag_lightning.cli import main
 from nag_lightning.data import (
     TextDataModule,
+    bpe_training,
     load_tokenizer,
     prepare_corpus,
     resolve_files,
@@ -96,7 +97,7 @@ def test_bpe_chunks_are_the_tokens_of_each_file_and_decode_to_the_text(corpus, c
 
 
 def test_a_piece_cut_for_encoding_gives_the_ids_of_the_whole():
-    tok = HFTokenizer(tokenizers.train_bpe([text(200, 0)], 320), "bpe:320")
+    tok = HFTokenizer(bpe_training.train_bpe([text(200, 0)], 320), "bpe:320")
     whole = text(400, 1).encode()
     pieces = tokenizers.split_text(whole, target=97)
     assert len(pieces) > 20 and b"".join(pieces) == whole
@@ -139,17 +140,17 @@ def test_the_bpe_trains_on_the_training_split_only(tmp_path):
 
 def test_bpe_training_reads_an_evenly_spread_sample():
     pieces = [(f"f{i}", 0, 100) for i in range(10)]
-    assert tokenizers.sample_pieces(pieces, 10_000) == pieces
-    assert tokenizers.sample_pieces(pieces, 300) == [("f0", 0, 100), ("f4", 0, 100), ("f8", 0, 100)]
-    assert tokenizers.sample_pieces([("big", 0, 1000)], 300) == [("big", 0, 300)]
+    assert bpe_training.sample_pieces(pieces, 10_000) == pieces
+    assert bpe_training.sample_pieces(pieces, 300) == [("f0", 0, 100), ("f4", 0, 100), ("f8", 0, 100)]
+    assert bpe_training.sample_pieces([("big", 0, 1000)], 300) == [("big", 0, 300)]
 
 
 def test_the_bpe_round_trips_any_bytes_with_tokens_as_long_as_their_bytes():
     latin1 = text(120, 3).encode("latin-1", errors="replace") + bytes(range(256))
     noise = torch.randint(0, 256, (5000,), generator=torch.Generator().manual_seed(0))
     noise = bytes(noise.tolist())
-    from_bytes = HFTokenizer(tokenizers.train_bpe([latin1], 300), "bpe:300")
-    from_text = HFTokenizer(tokenizers.train_bpe([text(100, 2)], 300), "bpe:300")
+    from_bytes = HFTokenizer(bpe_training.train_bpe([latin1], 300), "bpe:300")
+    from_text = HFTokenizer(bpe_training.train_bpe([text(100, 2)], 300), "bpe:300")
     for tok in (from_bytes, from_text):
         for raw in (latin1, noise, b"caf\xe9\n\xed\xb2\x80\xff", text(20, 1).encode()):
             ids = tok.encode(raw)
@@ -162,8 +163,8 @@ def test_the_bpe_round_trips_any_bytes_with_tokens_as_long_as_their_bytes():
 
 def test_bytes_train_the_same_merges_as_their_text_and_encode_to_the_same_ids():
     raw = text(150, 4).encode()
-    from_text = tokenizers.train_bpe([raw.decode()], 320)
-    assert tokenizers.train_bpe([raw], 320) == from_text
+    from_text = bpe_training.train_bpe([raw.decode()], 320)
+    assert bpe_training.train_bpe([raw], 320) == from_text
     tok = HFTokenizer(from_text, "bpe:320")
     words = tokenizers.byte_words(tok.hf.pre_tokenizer, raw)
     by_words = tok._by_words.encode(words, is_pretokenized=True, add_special_tokens=False).ids
@@ -272,7 +273,7 @@ def test_fit_on_a_bpe_offline_then_generate_with_the_checkpoints_tokenizer(
     assert out.count(" sublayers\n") == 5
 
     # the post-training sweep reports bits per byte of the checkpoint's tokens too
-    from nag_lightning.analysis.sweep import sweep
+    from nag_lightning.analysis.sweeps.sweep import sweep
 
     paths = sweep(str(ckpt), out_dir=str(tmp_path / "sweep"), taus=[0.0], val_batches=2,
                   fit_batches=2, source=str(corpus), cache_dir=str(cache))
@@ -359,7 +360,7 @@ def test_streaming_decode_holds_back_unfinished_characters():
 
 
 def test_saved_tokenizers_load_and_checkpoints_without_one_are_bytes():
-    bpe = HFTokenizer(tokenizers.train_bpe([text(100, 2)], 300), "bpe:300")
+    bpe = HFTokenizer(bpe_training.train_bpe([text(100, 2)], 300), "bpe:300")
     assert tokenizers.load_saved(bpe.saved()) == bpe
     assert tokenizers.load_saved(Tokenizer().saved()) == Tokenizer()
     assert tokenizers.load_saved(None) == Tokenizer()

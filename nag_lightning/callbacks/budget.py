@@ -30,7 +30,7 @@ step's rate follows the FLOPs spent up to the step before it):
         decay = LambdaLR(optimizer, lambda step: 1.0 - budget.progress)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
 
-(`nag_lightning.training.module.warmup_stable_decay(step, warmup, budget.progress, decay_fraction,
+(`nag_lightning.training.optim.warmup_stable_decay(step, warmup, budget.progress, decay_fraction,
 min_ratio)` gives the package's own schedule.)
 """
 

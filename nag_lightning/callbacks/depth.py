@@ -2,7 +2,9 @@
 
 This is the paper's central picture (arXiv 2606.16112, claim 1): in a pre-norm stream the state norm
 grows with depth and each later sublayer turns the state by a smaller angle; under NAG the angle
-stays meaningful at every depth. Logged at every validation, drawn as a PNG at the end of fit.
+stays meaningful at every depth. Logged at every validation and written as JSON at the end of fit;
+the figure is analysis's (`nag_lightning.analysis.reports.depth`, which `nag-lightning fit` runs
+when the fit ends).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from nag_lightning.analysis.plotting import pyplot, save
 from nag_lightning.model.routing_stats import sublayer_label
 
 QUANTILES = (0.1, 0.5, 0.9)
@@ -23,11 +24,14 @@ QUANTILES = (0.1, 0.5, 0.9)
 
 class DepthDiagnostics(L.Callback):
     """Logs `depth/angle_mean/{i}_{kind}`, angle quantiles and `depth/state_norm/{i}_{kind}` for
-    every sublayer at validation, and writes `depth_diagnostics.png` beside the logs at fit end.
+    every sublayer at validation, and writes their history as `depth_diagnostics.json` beside the
+    logs at fit end, the data of the figure `depth_diagnostics.png` that `nag-lightning fit` draws
+    from it (`nag_lightning.analysis.reports.depth`).
 
     Args:
         max_samples: per-sublayer token angles kept for the quantiles at each validation.
-        filename: name of the PNG written into the first logger's directory.
+        filename: name of the PNG drawn into the first logger's directory; the JSON beside it
+            takes its name with the suffix .json.
     """
 
     def __init__(self, max_samples: int = 65536, filename: str = "depth_diagnostics.png") -> None:
@@ -70,12 +74,16 @@ class DepthDiagnostics(L.Callback):
         if not trainer.sanity_checking:
             self.history.append(entry)
 
+    def figure_path(self, trainer: L.Trainer) -> Path:
+        """Where the figure of this run's diagnostics goes: the first logger's directory."""
+        return Path(trainer.log_dir or trainer.default_root_dir) / self.filename
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.history and trainer.is_global_zero:
-            path = Path(trainer.log_dir or trainer.default_root_dir) / self.filename
-            plot_depth(self.history, path, str(pl_module.config.residual))
-            # The numbers behind the picture, for side-by-side figures across runs.
-            path.with_suffix(".json").write_text(json.dumps(self.history))
+            # The numbers behind the picture, for the figure and side-by-side figures across runs.
+            path = self.figure_path(trainer).with_suffix(".json")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.history))
 
     def state_dict(self) -> dict:
         return {"history": self.history}
@@ -108,31 +116,3 @@ def _is_entry(entry: object) -> bool:
     return all(isinstance(values, list) and len(values) == len(labels)
                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
                for values in numbers)
-
-
-def plot_depth(history: list[dict], path: Path, title: str) -> Path:
-    """State norm and contribution angle against sublayer depth, one line per validation."""
-    plt = pyplot()
-
-    fig, (ax_norm, ax_angle) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = history[-1]["labels"]
-    depth = range(len(labels))
-    colors = plt.cm.viridis([i / max(len(history) - 1, 1) for i in range(len(history))])
-    for entry, color in zip(history, colors):
-        ax_norm.plot(depth, entry["norm"], color=color, label=f"step {entry['step']}")
-        ax_angle.plot(depth, entry["mean"], color=color)
-    last = history[-1]
-    ax_angle.fill_between(depth, last["q0.1"], last["q0.9"], color=colors[-1], alpha=0.2,
-                          label="10-90% of tokens (last)")
-    norms = [v for entry in history for v in entry["norm"]]
-    ax_norm.set(xlabel="sublayer (block_kind)", ylabel="state norm",
-                yscale="log" if max(norms) > 10 * min(norms) > 0 else "linear",
-                title=f"{title}: state norm after each sublayer")
-    ax_angle.set(xlabel="sublayer (block_kind)", ylabel="contribution angle (rad)",
-                 title=f"{title}: angle each sublayer turns the state")
-    step = max(1, len(labels) // 12)  # at most a dozen tick labels
-    for ax in (ax_norm, ax_angle):
-        ax.set_xticks(list(depth)[::step], labels[::step], rotation=45, fontsize=7)
-    ax_norm.legend(fontsize=7)
-    ax_angle.legend(fontsize=7)
-    return save(fig, path)

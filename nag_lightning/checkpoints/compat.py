@@ -178,8 +178,22 @@ MOVED_MODULES = {
     "nag_lightning.trust": "nag_lightning.checkpoints.trust",
     "nag_lightning.compat": "nag_lightning.checkpoints.compat",
     "nag_lightning.saved_settings": "nag_lightning.checkpoints.settings",
-    "nag_lightning.plotting": "nag_lightning.analysis.plotting",
+    "nag_lightning.plotting": "nag_lightning.analysis.reports.plotting",
     "nag_lightning.callbacks.checkpoint": "nag_lightning.callbacks.run_checkpoint",
+    "nag_lightning.analysis.study": "nag_lightning.analysis.studies.study",
+    "nag_lightning.analysis.depth_study": "nag_lightning.analysis.studies.depth",
+    "nag_lightning.analysis.isoflop_study": "nag_lightning.analysis.studies.isoflop",
+    "nag_lightning.analysis.tradeoff_study": "nag_lightning.analysis.studies.tradeoff",
+    "nag_lightning.analysis.tasks_study": "nag_lightning.analysis.studies.tasks",
+    "nag_lightning.analysis.sweep_report": "nag_lightning.analysis.sweeps.report",
+    "nag_lightning.analysis.sweepable": "nag_lightning.analysis.sweeps.sweepable",
+    "nag_lightning.analysis.sweep": "nag_lightning.analysis.sweeps.sweep",
+    "nag_lightning.analysis.probes": "nag_lightning.analysis.sweeps.probes",
+    "nag_lightning.analysis.oracle": "nag_lightning.analysis.sweeps.oracle",
+    "nag_lightning.analysis.generate": "nag_lightning.analysis.evaluation.generate",
+    "nag_lightning.analysis.lm_eval_command": "nag_lightning.analysis.evaluation.lm_eval_command",
+    "nag_lightning.analysis.compare": "nag_lightning.analysis.reports.compare",
+    "nag_lightning.analysis.plotting": "nag_lightning.analysis.reports.plotting",
 }
 """Where each module of earlier releases lives now: an old module path (saved as part of a class
 path) imports as the module that replaced it, the same module object, so its classes are the same."""

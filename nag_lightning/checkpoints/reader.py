@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from nag_lightning.checkpoints.compat import upgrade_checkpoint
-from nag_lightning.checkpoints.export import is_exported, read_exported
+from nag_lightning.checkpoints.exported import is_exported, read_exported
 from nag_lightning.checkpoints.settings import saved_architecture, saved_model_settings
 from nag_lightning.checkpoints.trust import check_plugins, read_checkpoint
 from nag_lightning.checkpoints.values import check_finite, check_lightning_version, check_saved_settings

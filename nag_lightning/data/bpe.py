@@ -10,8 +10,8 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+from nag_lightning.data import bpe_training, tokenizing
 from nag_lightning.data import tokenizer as tokenizers
-from nag_lightning.data import tokenizing
 from nag_lightning.data.corpus import (
     META,
     TOKENIZER,
@@ -64,7 +64,7 @@ def corpus_tokenizer(
     # Keyed by everything the merges depend on: the training split, the vocabulary size, the
     # sample size and the recipe's version.
     settings = [tokenizers.BPE_VERSION, corpus_hash(files, val_fraction, max_bytes), vocab_size,
-                tokenizers.BPE_SAMPLE_BYTES]
+                bpe_training.BPE_SAMPLE_BYTES]
     key = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
     folder = Path(cache_dir).expanduser().resolve() / "tokenizers"
     file = folder / f"bpe{vocab_size}-{key}.json"
@@ -76,7 +76,7 @@ def corpus_tokenizer(
         except OSError as error:
             raise unwritable(cache_dir, error) from None
         try:
-            sample = tokenizers.sample_pieces(splits["train"], tokenizers.BPE_SAMPLE_BYTES)
+            sample = bpe_training.sample_pieces(splits["train"], bpe_training.BPE_SAMPLE_BYTES)
             tokenizing.in_child(_train_bpe, sample, vocab_size, tmp)
             tmp.replace(file)  # atomic: a concurrent run that trained the same BPE wrote the same
         finally:
@@ -87,11 +87,12 @@ def corpus_tokenizer(
 def _train_bpe(pieces: list[tuple[str, int, int]], vocab_size: int, out: Path) -> None:
     """Train the BPE on `pieces` and write its tokenizer.json (in a child process, see `tokenizing.in_child`:
     the trainer's thread pool would otherwise make every later fork of this process warn)."""
-    texts: Iterable[str] | Iterable[bytes] = (data.decode("utf-8") for data in tokenizers.read_pieces(pieces))
+    texts: Iterable[str] | Iterable[bytes] = (data.decode("utf-8")
+                                              for data in bpe_training.read_pieces(pieces))
     try:
-        json_text = tokenizers.train_bpe(texts, vocab_size)
+        json_text = bpe_training.train_bpe(texts, vocab_size)
     except UnicodeDecodeError:  # not all UTF-8: train on the bytes as they are (slower)
-        json_text = tokenizers.train_bpe(tokenizers.read_pieces(pieces), vocab_size)
+        json_text = bpe_training.train_bpe(bpe_training.read_pieces(pieces), vocab_size)
     out.write_text(json_text, encoding="utf-8")
 
 

@@ -4,11 +4,13 @@ complete."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import warnings
 from pathlib import Path
 
+from nag_lightning.arguments import flags_named, function_parser
 from nag_lightning.data import corpus, tokenizing
 from nag_lightning.data import tokenizer as tokenizers
 from nag_lightning.data.bpe import corpus_tokenizer, prepared_tokenizer
@@ -96,3 +98,12 @@ def _coverage(folder: Path, tokenizer: Tokenizer) -> dict[str, float]:
             stacklevel=2,
         )
     return found
+
+
+def prepare_command(args: list[str]) -> None:
+    """`nag-lightning prepare`: tokenize a corpus into litdata chunks ahead of training."""
+    parser = function_parser(prepare_corpus, "nag-lightning prepare", prepare_command.__doc__)
+    cfg = parser.parse_args(args)
+    with flags_named(inspect.signature(prepare_corpus).parameters):
+        path = prepare_corpus(**cfg.as_dict())
+    print(f"prepared {path}")

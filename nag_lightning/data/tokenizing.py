@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from litdata import TokensLoader, optimize
 
+from nag_lightning.data import bpe_training
 from nag_lightning.data import tokenizer as tokenizers
 from nag_lightning.data.orphans import die_with_parent
 from nag_lightning.data.tokenizer import Tokenizer
@@ -73,8 +74,8 @@ def tokenize_with(
     sample's own bytes (`tokenizer.coverage`), written to `coverage.json` for the meta file. Meant
     to run in a child process: the tokenizer's thread pool stays out of the training process."""
     tokenize(splits, output_dir, partial(_encode_tokens, tokenizer=tokenizer))
-    sample = tokenizers.read_head(splits["train"], tokenizers.COVERAGE_SAMPLE_BYTES)
-    (output_dir / "coverage.json").write_text(json.dumps(tokenizers.coverage(tokenizer, sample)))
+    sample = bpe_training.read_head(splits["train"], bpe_training.COVERAGE_SAMPLE_BYTES)
+    (output_dir / "coverage.json").write_text(json.dumps(bpe_training.coverage(tokenizer, sample)))
 
 
 def tokenize(

@@ -1,6 +1,7 @@
 """The network and what runs it: plain `torch.nn`, single device, no Lightning.
 
-`transformer` (the model, its config and sublayers), `kv_cache` and `inference` (generation),
+`config` (the architecture's settings), `attention`, `sublayer` (the MLP, the sublayer wrapper
+and the block) and `transformer` (the model that puts them together), `kv_cache` and `inference` (generation),
 `compile` (`torch.compile` for training), `flops` (the model's own FLOP count) and `routing_stats`
 (what the routers executed). The model's names are importable from `nag_lightning.model`.
 """

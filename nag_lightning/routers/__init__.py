@@ -48,7 +48,7 @@ class Route:
 
 class Router(nn.Module):
     """Base class of routers; one instance per routed sublayer. It holds what the model calls; what
-    `nag-lightning sweep` asks of a router lives with the sweep (`nag_lightning.analysis.sweepable`).
+    `nag-lightning sweep` asks of a router lives with the sweep (`nag_lightning.analysis.sweeps.sweepable`).
 
     Args:
         d_model: width of the sublayer's read input.

@@ -3,9 +3,9 @@
 Loss is cross-entropy on next-token prediction. The reported metric is bits per byte: the loss
 summed over the target tokens, in bits, divided by the bytes those tokens stand for, so runs on
 different tokenizers compare (for bytes it is loss / ln 2); the loss per token is logged beside it.
-AdamW with linear warmup, then cosine decay over the steps, or warmup-stable-decay (WSD) whose decay
-fills the last `decay_fraction` of a FLOP budget; gradient clipping is the Trainer's
-(`trainer.gradient_clip_val`).
+The optimizer and the learning-rate schedule (AdamW with linear warmup, then cosine decay over the
+steps, or warmup-stable-decay (WSD) whose decay fills the last `decay_fraction` of a FLOP budget)
+are `nag_lightning.training.optim`'s; gradient clipping is the Trainer's (`trainer.gradient_clip_val`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import inspect
 import math
 import os
 from dataclasses import asdict
-from typing import Protocol
 
 import lightning as L
 import torch
@@ -31,31 +30,15 @@ from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.model.compile import compile_model
 from nag_lightning.tasks import Labelled
 from nag_lightning.tasks.evaluation import DifficultyScores, score_batch
-
-SCHEDULES = ("cosine", "wsd")
-
-
-def fused_adamw(params: list[Tensor], clips_mixed_precision: bool = False) -> bool | None:
-    """True where torch's fused AdamW takes these parameters: plain tensors on CPU or CUDA. It
-    updates every parameter in one kernel, where the default on CPU loops over them op by op: at
-    d_model 256 and 8 blocks on one CPU thread, 11 ms a step against 42 (docs/benchmarks.md,
-    "Speed under torch.compile"). FSDP2's sharded parameters (DTensors), other devices, and
-    `clips_mixed_precision` (Lightning's mixed-precision plugin refuses to clip gradients for an
-    optimizer that unscales them itself, as the fused one does) get the default (None)."""
-    from torch.distributed.tensor import DTensor
-
-    if clips_mixed_precision:
-        return None
-    plain = all(p.device.type in ("cpu", "cuda") and not isinstance(p, DTensor) for p in params)
-    return True if plain and params else None
-
-
-class RunBudget(Protocol):
-    """What the learning-rate schedule reads from a budget that ends the run (`FlopBudget`)."""
-
-    @property
-    def progress(self) -> float:
-        """The fraction of the budget spent so far, 0 to 1."""
+from nag_lightning.training.optim import (  # noqa: F401 - importable here as before
+    SCHEDULES,
+    RunBudget,
+    adamw,
+    fused_adamw,
+    lr_factor,
+    warmup_cosine,
+    warmup_stable_decay,
+)
 
 
 class BitsPerByte(MeanMetric):
@@ -295,33 +278,22 @@ class LanguageModel(L.LightningModule):
         return nll.sum(1) / self.token_bytes[targets].sum(1).clamp_min(1) / math.log(2)
 
     def configure_optimizers(self):
-        decay, no_decay = [], []
-        for name, param in self.model.named_parameters():
-            # Matrices of the sublayers and the head decay; embeddings, gains and scalars do not.
-            (decay if param.ndim == 2 and not name.startswith(("embed", "strategy")) else no_decay
-             ).append(param)
+        """AdamW over `parameter_groups` and the learning-rate schedule (`lr_factor`), both from
+        `nag_lightning.training.optim`, the one definition of the two in the package."""
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=tuple(hp.betas),
-            fused=fused_adamw(decay + no_decay, "mixed" in str(self.trainer.precision)
-                              and bool(self.trainer.gradient_clip_val)),
-        )
+        optimizer = adamw(self.model, hp.lr, tuple(hp.betas), hp.weight_decay,
+                          clips_mixed_precision="mixed" in str(self.trainer.precision)
+                          and bool(self.trainer.gradient_clip_val))
         total = max(self.trainer.estimated_stepping_batches, 1)
-        if hp.schedule == "cosine":
-            if hp.min_lr_ratio < 1 and self.budget is not None:
-                rank_zero_warn(
-                    "The cosine schedule decays over trainer.max_steps, not the FLOP budget, which "
-                    "ends the run wherever it is on that curve; set model.schedule: wsd to anneal "
-                    "at the end of the budget."
-                )
-            factor = lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
-        else:
-            progress = self._progress(total)
-            factor = lambda step: warmup_stable_decay(
-                step, hp.warmup_steps, progress(step), hp.decay_fraction, hp.min_lr_ratio
+        if hp.schedule == "cosine" and hp.min_lr_ratio < 1 and self.budget is not None:
+            rank_zero_warn(
+                "The cosine schedule decays over trainer.max_steps, not the FLOP budget, which "
+                "ends the run wherever it is on that curve; set model.schedule: wsd to anneal "
+                "at the end of the budget."
             )
+        progress = self._progress(total)
+        factor = lambda step: lr_factor(hp.schedule, step, hp.warmup_steps, total, progress(step),
+                                        hp.decay_fraction, hp.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -425,25 +397,3 @@ class LanguageModel(L.LightningModule):
 
 NAGLanguageModel = LanguageModel
 """The name of earlier releases (it trains any residual strategy), kept for their configs."""
-
-
-def warmup_stable_decay(
-    step: int, warmup: int, progress: float, decay_fraction: float, min_ratio: float
-) -> float:
-    """Learning-rate factor: linear warmup to 1 over `warmup` steps, then 1 until `progress` (the
-    fraction of the run done, 0 to 1) reaches 1 - decay_fraction, then linear decay to min_ratio at
-    progress 1 (and min_ratio after)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    start = 1 - decay_fraction
-    if progress <= start:
-        return 1.0
-    return 1 - (1 - min_ratio) * min((progress - start) / decay_fraction, 1.0)
-
-
-def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Learning-rate factor: linear warmup to 1, then cosine decay to min_ratio at `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

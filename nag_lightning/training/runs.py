@@ -224,7 +224,7 @@ def _run_of(checkpoint: Path) -> Path:
 
 
 def _metrics_before(folder: Path, step: int) -> list[dict[str, str]] | None:
-    from nag_lightning.analysis.compare import metric_step, metrics_rows
+    from nag_lightning.training.metrics import metric_step, metrics_rows
 
     path = folder / "metrics.csv"
     if not path.is_file():

@@ -17,9 +17,9 @@ import json
 import statistics
 from pathlib import Path
 
-from nag_lightning.analysis.compare import COLUMNS, summarize
-from nag_lightning.analysis.plotting import pyplot, save
-from nag_lightning.analysis.study import check_study_options, find_recipe, fit_run
+from nag_lightning.analysis.reports.compare import COLUMNS, summarize
+from nag_lightning.analysis.reports.plotting import pyplot, save
+from nag_lightning.analysis.studies.study import check_study_options, find_recipe, fit_run
 
 DEFAULT_RECIPES = [
     "prenorm", "nag", "nag_threshold20", "nag_threshold25", "nag_threshold_angle20", "nag_threshold_angle25",

@@ -3,7 +3,7 @@
 Every run is `nag-lightning fit` on the same recipe with only `model.arch.n_layers`, `model.arch.residual`,
 the seed (and, in a learning-rate sweep, `model.lr`) changed, in its own process and its own folder
 under `--out`: `{residual}-L{depth}-s{seed}`, with `-lr{lr}` appended for sweep runs, cached as
-every study's runs are (`nag_lightning.analysis.study`).
+every study's runs are (`nag_lightning.analysis.studies.study`).
 
 Fairness between strategies: `--residual_extra` gives each strategy its own `fit` options on top of
 `--extra` (e.g. its own learning rate), and `--lrs` sweeps the learning rate per depth instead. A
@@ -31,8 +31,8 @@ import statistics
 import zlib
 from pathlib import Path
 
-from nag_lightning.analysis.plotting import pyplot, save
-from nag_lightning.analysis.study import (
+from nag_lightning.analysis.reports.plotting import pyplot, save
+from nag_lightning.analysis.studies.study import (
     DEFAULT_RESIDUALS,
     check_study_options,
     find_recipe,

@@ -283,7 +283,7 @@ def report(result: Generation, show_routing: bool) -> None:
 
 def generate_command(args: list[str]) -> None:
     """`nag-lightning generate`: continue prompts from a checkpoint with causal routing."""
-    from nag_lightning.cli import function_parser
+    from nag_lightning.arguments import function_parser
 
     parser = function_parser(generate, "nag-lightning generate", generate.__doc__.split("\n")[0],
                              skip=("on_token", "on_text", "on_bytes"))

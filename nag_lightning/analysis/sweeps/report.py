@@ -6,7 +6,7 @@ import csv
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nag_lightning.analysis.plotting import pyplot, save
+from nag_lightning.analysis.reports.plotting import pyplot, save
 
 ORACLE = "oracle"
 

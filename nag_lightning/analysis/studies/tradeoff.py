@@ -18,9 +18,9 @@ import statistics
 from pathlib import Path
 
 from nag_lightning.analysis.checks import check_at_least_one
-from nag_lightning.analysis.plotting import pyplot, save
-from nag_lightning.analysis.study import DEFAULT_RESIDUALS, check_study_options, run_name, run_one
-from nag_lightning.analysis.sweep_report import ORACLE
+from nag_lightning.analysis.reports.plotting import pyplot, save
+from nag_lightning.analysis.studies.study import DEFAULT_RESIDUALS, check_study_options, run_name, run_one
+from nag_lightning.analysis.sweeps.report import ORACLE
 
 RATES = (0.1, 0.2, 0.25)
 
@@ -30,7 +30,7 @@ def sweep_run(ckpt: Path, out: Path, val_batches: int, fit_batches: int,
     """The sweep of one checkpoint, as CSV rows with numbers (cached in out/sweep.csv)."""
     table = out / "sweep.csv"
     if not table.is_file():
-        from nag_lightning.analysis.sweep import sweep
+        from nag_lightning.analysis.sweeps.sweep import sweep
 
         # the depth study's runs were trained on the data its options named: their data settings hold
         sweep(str(ckpt), out_dir=str(out), val_batches=val_batches, fit_batches=fit_batches,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nag_lightning.analysis.oracle import under_oracle
+from nag_lightning.analysis.sweeps.oracle import under_oracle
 from nag_lightning.model import Transformer
 from nag_lightning.model.flops import count_model
 

@@ -1,6 +1,6 @@
 """What every study shares: one training run per point, in its own process, cached.
 
-A study (`nag-lightning study NAME`, each in `analysis/<name>_study.py`) is a function whose typed
+A study (`nag-lightning study NAME`, each in `analysis/studies/<name>.py`) is a function whose typed
 signature is its command line; it trains its points with `fit_run`, `nag-lightning fit` in a child
 process (a crash costs one run, not the study) logging to `out/<name>/version_0`. A finished run,
 one whose `result.json` exists, is not run again, so an interrupted study resumes where it
@@ -33,7 +33,7 @@ def run_name(residual: str, depth: int, seed: int, lr: float | None = None) -> s
 
 def final_val_bpb(metrics_csv: Path) -> tuple[float, int]:
     """The last logged validation bits per byte and its step, from a CSVLogger file."""
-    from nag_lightning.analysis.compare import metric_number, metric_step, metrics_rows
+    from nag_lightning.training.metrics import metric_number, metric_step, metrics_rows
 
     last = None
     for line, row in metrics_rows(metrics_csv):
@@ -144,7 +144,12 @@ def held_out_bpb(ckpt: Path, batches: int, trust_checkpoint: bool = False) -> tu
     reports."""
     import torch
 
-    from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, saved_module
+    from nag_lightning.analysis.evaluation.checkpoint import (
+        checkpoint_data,
+        evaluate,
+        first_batches,
+        saved_module,
+    )
     from nag_lightning.checkpoints.reader import read_saved
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

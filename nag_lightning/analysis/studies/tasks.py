@@ -3,11 +3,24 @@ every token has a known difficulty (`nag_lightning.tasks`).
 
 Every run is `nag-lightning fit` on a task recipe (`recipes/tasks/*.yaml`) with only
 `model.arch.n_layers`, `model.arch.residual`, the seed, the residual's own learning rate (`--lrs`)
-and, with `--routers`, the router's options changed, trained and cached as every study's runs are
-(`nag_lightning.analysis.study`) under `{residual}-L{depth}-s{seed}[-{router}]`. After training,
-each run's last checkpoint is evaluated by difficulty (`nag_lightning.tasks.evaluation`) on
-`--eval_sequences` sequences from an evaluation seed stream that neither training nor validation
-draws from; the evaluation is cached in the run's folder as difficulty.json.
+and, with `--routers`, the router's options changed (`--extra` adds any `fit` option to every
+run, e.g. the residual's options), trained and cached as every study's runs are
+(`nag_lightning.analysis.studies.study`) under `{residual}-L{depth}-s{seed}[-{router}]`. Training
+is the package's own: the LightningModule, its optimizer groups and schedule
+(`nag_lightning.training.optim`), clipped by the recipe's `trainer.gradient_clip_val`.
+
+With `--iso_flop`, every run spends the training FLOPs that the full-depth, unrouted model of its
+config spends in the recipe's `trainer.max_steps` steps (a `FlopBudget` of that many tokens, the
+package's exact count), so a routed run trains on more steps; the schedule is then
+warmup-stable-decay, whose decay fills the end of each run's own budget, and `trainer.max_steps`
+is raised to a ceiling (`ISO_FLOP_CEILING` times the recipe's) that the budget stops before.
+
+Every validation logs accuracy per difficulty level (`val/difficulty/<level>/accuracy`); the study
+reads that history back from each run's metrics.csv, so the step at which a level first reaches
+`--reach` accuracy can be read. After training, each run's last checkpoint is evaluated by
+difficulty (`nag_lightning.tasks.evaluation`) on `--eval_sequences` sequences from an evaluation
+seed stream that neither training nor validation draws from; the evaluation is cached in the
+run's folder as difficulty.json.
 
 It writes, into `--out`:
 
@@ -16,6 +29,9 @@ It writes, into `--out`:
                             skip rate) and the run's rank correlations
     tasks.md                per (residual, router, depth), mean over seeds: accuracy per level and
                             the Spearman correlation of compute with difficulty over answer tokens
+    tasks_history.csv       one row per run, validation step and level: the validation accuracy
+    tasks_steps.md          per (residual, router, depth): the first validation step at which each
+                            level reached `--reach` accuracy, mean over the seeds that reached it
     tasks.png               accuracy against depth, one panel per residual (and router), a line per level
     tasks_compute.png       compute against difficulty at each depth, one panel per residual
 """
@@ -29,9 +45,9 @@ from pathlib import Path
 
 import yaml
 
-from nag_lightning.analysis.depth_study import check_options
-from nag_lightning.analysis.plotting import pyplot, save
-from nag_lightning.analysis.study import (
+from nag_lightning.analysis.reports.plotting import pyplot, save
+from nag_lightning.analysis.studies.depth import check_options
+from nag_lightning.analysis.studies.study import (
     DEFAULT_RESIDUALS,
     find_recipe,
     fit_run,
@@ -41,6 +57,9 @@ from nag_lightning.analysis.study import (
 )
 
 COMPUTE = ("angle", "planned", "executed")
+ISO_FLOP_CEILING = 10
+"""An iso-FLOP run's `trainer.max_steps`, in multiples of the recipe's: its FLOP budget ends it first."""
+ACCURACY = "val/difficulty/{}/accuracy"
 """The per-token compute measures correlated with difficulty (`TokenScores` fields)."""
 
 
@@ -72,6 +91,83 @@ def evaluate_run(run: Path, sequences: int, seed: int, trust_checkpoint: bool) -
               **{f"spearman_{measure}": spearman(report.tokens, measure) for measure in COMPUTE}}
     cached.write_text(json.dumps(result))
     return result
+
+
+def recipe_setting(recipe: str, extra: list[str], dotted: str, default: object = None) -> object:
+    """A setting of the runs: its last `--dotted=value` in `extra`, else the recipe's (a data
+    setting under `init_args`), else `default`."""
+    for arg in reversed(extra):
+        if arg.startswith(f"--{dotted}="):
+            return yaml.safe_load(arg.split("=", 1)[1])
+    node = yaml.safe_load(Path(recipe).read_text()) or {}
+    for key in dotted.split("."):
+        if isinstance(node, dict) and "init_args" in node and key not in node:
+            node = node["init_args"]
+        node = node.get(key) if isinstance(node, dict) else None
+    return default if node is None else node
+
+
+def iso_flop_args(recipe: str, extra: list[str]) -> list[str]:
+    """The `fit` options of an iso-FLOP run: a FLOP budget of the full-depth model's tokens in
+    the recipe's steps, WSD, and a ceiling of steps the budget stops before."""
+    steps = recipe_setting(recipe, extra, "trainer.max_steps")
+    batch = recipe_setting(recipe, extra, "data.batch_size")
+    seq_len = recipe_setting(recipe, extra, "model.arch.seq_len")
+    if not all(isinstance(v, int) and v > 0 for v in (steps, batch, seq_len)):
+        raise ValueError(f"--iso_flop needs the recipe's trainer.max_steps, data.batch_size and "
+                         f"model.arch.seq_len as positive numbers; got {steps}, {batch} and {seq_len}.")
+    return ["--trainer.callbacks+=nag_lightning.callbacks.FlopBudget",
+            f"--trainer.callbacks.reference_tokens={steps * batch * seq_len}",
+            f"--trainer.max_steps={ISO_FLOP_CEILING * steps}", "--model.schedule=wsd"]
+
+
+def accuracy_history(metrics_csv: Path) -> list[dict]:
+    """Every validation's accuracy per difficulty level, from a run's metrics.csv: rows of step
+    (the training steps done: a validation after n steps is logged at step n - 1), level name and
+    accuracy, in step order."""
+    from nag_lightning.training.metrics import metric_columns
+
+    history = []
+    for key, points in metric_columns(metrics_csv).items():
+        if key.startswith("val/difficulty/") and key.endswith("/accuracy"):
+            level = key[len("val/difficulty/"):-len("/accuracy")]
+            history += [{"step": step + 1, "name": level, "accuracy": value} for step, value in points]
+    return sorted(history, key=lambda r: (r["step"], r["name"]))
+
+
+def steps_to_reach(history: list[dict], reach: float) -> dict[str, int | None]:
+    """Per level, the first validation step whose accuracy is at least `reach` (None: never)."""
+    first: dict[str, int | None] = {}
+    for row in history:
+        first.setdefault(row["name"], None)
+        if first[row["name"]] is None and row["accuracy"] >= reach:
+            first[row["name"]] = row["step"]
+    return first
+
+
+def write_steps(points: list[dict], reach: float, path: Path) -> None:
+    """Per (residual, router, depth), the mean over seeds of the step each level first reached
+    `reach`, and how many seeds reached it; written as a markdown table."""
+    groups: dict[tuple, list[dict]] = {}
+    for point in points:
+        groups.setdefault((point["residual"], point["router"], point["depth"]), []).append(point)
+    names = sorted({n for p in points for n in p["steps_to_reach"]}, key=_level_order)
+    cells = []
+    for (residual, router, depth), runs in groups.items():
+        row = [residual, router or "-", str(depth)]
+        for name in names:
+            reached = [r["steps_to_reach"].get(name) for r in runs]
+            kept = [s for s in reached if s is not None]
+            mean = f"{statistics.fmean(kept):.0f}" if kept else "-"
+            row.append(f"{mean} ({len(kept)}/{len(runs)})")
+        cells.append(row)
+    note = (f"\nThe first validation step at which a level's accuracy reached {reach:g}: mean over the seeds "
+            "that reached it (seeds that reached it / seeds); -: none did.\n")
+    path.write_text(markdown_table(["residual", "router", "blocks", *names], cells) + note)
+
+
+def _level_order(name: str) -> tuple[int, str]:
+    return (0, name) if not (name[:1] == "k" and name[1:].isdigit()) else (1, f"{int(name[1:]):06d}")
 
 
 def study_points(depths: list[int], seeds: list[int], residuals: list[str],
@@ -186,6 +282,8 @@ def tasks_study(
     extra: list[str] = [],  # noqa: B006
     eval_sequences: int = 512,
     eval_seed: int = 1000,
+    iso_flop: bool = False,
+    reach: float = 0.9,
     trust_checkpoint: bool = False,
 ) -> list[dict]:
     """Train residual strategies at each depth, seed (and router) on a task, evaluate every run by
@@ -205,6 +303,10 @@ def tasks_study(
         extra: further `fit` arguments passed to every run, e.g. ["--trainer.max_steps=500"].
         eval_sequences: sequences each run is evaluated on after training.
         eval_seed: seed of the evaluation sequences (drawn from a stream training never uses).
+        iso_flop: every run spends the training FLOPs of the full-depth, unrouted model in the
+            recipe's trainer.max_steps steps (a FlopBudget), under the WSD schedule, so a routed
+            run trains on more steps.
+        reach: the accuracy whose first validation step per level tasks_steps.md reports.
         trust_checkpoint: let a run's checkpoint name a residual or router by a class path outside
             the registered plugins; only for run folders whose origin you trust.
     """
@@ -216,27 +318,37 @@ def tasks_study(
                          "run; add them to --residuals or drop their learning rates.")
     if any(lr <= 0 for lr in lrs.values()):
         raise ValueError(f"Every learning rate in --lrs must be positive; got {lrs}.")
+    if not 0 < reach <= 1:
+        raise ValueError(f"--reach is an accuracy in (0, 1]; got {reach}.")
     if eval_sequences < 1:
         raise ValueError(f"--eval_sequences must be at least 1; got {eval_sequences}.")
     if any(not label or "/" in label for label in routers):
         raise ValueError(f"Each --routers label names a run folder: give short names without '/'; got "
                          f"{list(routers)}.")
     out_dir = Path(out)
-    rows = []
+    budget = iso_flop_args(recipe, extra) if iso_flop else []
+    rows, history, points = [], [], []
     for seed, depth, residual, router in study_points(depths, seeds, residuals, routers):
         name = run_name(residual, depth, seed) + (f"-{router}" if router else "")
         args = ["--config", recipe, f"--model.arch.n_layers={depth}", f"--model.arch.residual={residual}",
-                f"--seed_everything={seed}", *extra, *routers.get(router, []),
+                f"--seed_everything={seed}", *extra, *routers.get(router, []), *budget,
                 *([f"--model.lr={lrs[residual]}"] if residual in lrs else [])]
         trained = fit_run(out_dir, name, args)
         result = evaluate_run(out_dir / name, eval_sequences, eval_seed, trust_checkpoint)
         point = {"residual": residual, "router": router, "depth": depth, "seed": seed,
-                 "lr": lrs.get(residual), "val_bpb": trained["val_bpb"],
+                 "lr": lrs.get(residual), "val_bpb": trained["val_bpb"], "steps": trained["step"] + 1,
                  **{k: v for k, v in result.items() if k != "levels"}}
         rows += [{**point, **level} for level in result["levels"]]
+        curve = accuracy_history(out_dir / name / "version_0" / "metrics.csv")
+        history += [{"residual": residual, "router": router, "depth": depth, "seed": seed, **row}
+                    for row in curve]
+        points.append({"residual": residual, "router": router, "depth": depth,
+                       "steps_to_reach": steps_to_reach(curve, reach)})
         accuracy = {r["name"]: r["accuracy"] for r in result["levels"]}
         print(json.dumps({**point, "accuracy": accuracy}), flush=True)
     write_csv(rows, out_dir / "tasks.csv")
+    write_csv(history, out_dir / "tasks_history.csv")
+    write_steps(points, reach, out_dir / "tasks_steps.md")
     summary = summarise(rows, out_dir)
     plot_accuracy(summary, out_dir / "tasks.png")
     plot_compute(rows, out_dir / "tasks_compute.png")

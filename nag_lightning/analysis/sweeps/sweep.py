@@ -6,8 +6,8 @@ claim 5: MoD as a post-training knob).
                   angle itself), fit their probes, if any, with the model frozen (`probes`)
                ─> trained with a router: its own routers as trained
     then, for every value of the routers' sweep setting (tau in radians, top-k capacity, ...),
-    evaluate N validation batches (`evaluation`): MoD rate, executed forward FLOPs per token,
-    loss, bits per byte  ─> sweep.csv, sweep.png (`sweep_report`)
+    evaluate N validation batches (`analysis.evaluation.checkpoint`): MoD rate, executed forward
+    FLOPs per token, loss, bits per byte  ─> sweep.csv, sweep.png (`report`)
 
 The sweep asks routers only through `sweepable.sweep_of`, so a router of another package, named by
 class path, that implements `Sweepable` sweeps as the built-in ones do. When the setting is an
@@ -28,11 +28,16 @@ import torch
 from torch import Tensor
 
 from nag_lightning.analysis.checks import check_at_least_one, check_device, check_not_empty, check_seed
-from nag_lightning.analysis.evaluation import checkpoint_data, evaluate, first_batches, saved_module
-from nag_lightning.analysis.oracle import oracle as oracle_of
-from nag_lightning.analysis.probes import attach_sweep_routers, fit_probes
-from nag_lightning.analysis.sweep_report import ORACLE, SweepRow, plot, report, write_csv
-from nag_lightning.analysis.sweepable import RouterSweep, sweep_of
+from nag_lightning.analysis.evaluation.checkpoint import (
+    checkpoint_data,
+    evaluate,
+    first_batches,
+    saved_module,
+)
+from nag_lightning.analysis.sweeps.oracle import oracle as oracle_of
+from nag_lightning.analysis.sweeps.probes import attach_sweep_routers, fit_probes
+from nag_lightning.analysis.sweeps.report import ORACLE, SweepRow, plot, report, write_csv
+from nag_lightning.analysis.sweeps.sweepable import RouterSweep, sweep_of
 from nag_lightning.checkpoints.reader import read_saved
 from nag_lightning.checkpoints.trust import is_remote
 from nag_lightning.inputs import output_folder
@@ -142,7 +147,7 @@ def sweepable(kind: type[Router]) -> RouterSweep:
     if adapter is None or adapter.setting is None:
         raise ValueError(
             f"The router {plugin_name(kind)!r} cannot be swept: it names no setting to vary after "
-            "training (implement nag_lightning.analysis.sweepable.Sweepable on it), so sweep a model "
+            "training (implement nag_lightning.analysis.sweeps.sweepable.Sweepable on it), so sweep a model "
             "trained with another router."
         )
     return adapter
@@ -255,7 +260,7 @@ def default_out_dir(ckpt_path: str) -> Path:
 
 def sweep_command(args: list[str]) -> None:
     """`nag-lightning sweep`: accuracy against executed compute of a checkpoint's routing."""
-    from nag_lightning.cli import flags_named, function_parser
+    from nag_lightning.arguments import flags_named, function_parser
 
     parser = function_parser(sweep, "nag-lightning sweep", sweep.__doc__.split("\n")[0], skip=("own_run",))
     options = parser.parse_args(args)

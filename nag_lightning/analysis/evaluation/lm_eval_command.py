@@ -1,6 +1,6 @@
 """`nag-lightning eval`: lm-evaluation-harness tasks on a checkpoint or an exported folder.
 
-Runs lm-eval's `simple_evaluate` with the model of `nag_lightning.analysis.lm_eval_model` and
+Runs lm-eval's `simple_evaluate` with the model of `nag_lightning.analysis.evaluation.lm_eval_model` and
 prints its table. lm-eval is an optional extra (`pip install 'nag-lightning[eval]'`); this module
 imports it only when the command runs, so the base install never needs it.
 """
@@ -79,7 +79,7 @@ def evaluate_tasks(
 def _harness():
     """The lm-eval model module, or one sentence saying how to install lm-eval."""
     try:
-        return importlib.import_module("nag_lightning.analysis.lm_eval_model")
+        return importlib.import_module("nag_lightning.analysis.evaluation.lm_eval_model")
     except ImportError as error:
         if "lm_eval" not in str(error):
             raise
@@ -89,7 +89,7 @@ def _harness():
 
 def eval_command(args: list[str]) -> None:
     """`nag-lightning eval`: lm-evaluation-harness tasks on a checkpoint or exported folder."""
-    from nag_lightning.cli import function_parser
+    from nag_lightning.arguments import function_parser
 
     options = function_parser(evaluate_tasks, "nag-lightning eval").parse_args(args)
     results = evaluate_tasks(**options.as_dict())

@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nag_lightning.analysis.plotting import pyplot, save
+from nag_lightning.analysis.reports.plotting import pyplot, save
+from nag_lightning.training.metrics import metric_columns
 
 COLUMNS = ("run", "residual", "router", "steps", "tokens", "training_flops", "executed_fraction",
            "executed_params_per_token", "final_val_bpb")
@@ -65,55 +66,6 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
             )
         found += [h for h in hits if h not in found]
     return found
-
-
-def metrics_rows(metrics_csv: Path) -> list[tuple[int, dict[str, str]]]:
-    """The rows of a CSVLogger file with their line numbers; one sentence if it is damaged (a row
-    with more cells than the header, bytes that are not text)."""
-    try:
-        with open(metrics_csv, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            rows = [(reader.line_num, row) for row in reader]
-    except (csv.Error, UnicodeDecodeError) as error:
-        raise _damaged(metrics_csv, f"it cannot be read as CSV ({error})") from None
-    for line, row in rows:
-        if None in row:
-            raise _damaged(metrics_csv, f"line {line} has more cells than the header")
-    return rows
-
-
-def metric_number(value: str, metrics_csv: Path, line: int, key: str) -> float:
-    """A cell of a CSVLogger file as a number; one sentence naming the cell if it is not one."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise _damaged(metrics_csv, f"line {line} has {key}={value!r}, which is not a number") from None
-
-
-def metric_step(value: str | None, metrics_csv: Path, line: int) -> int:
-    """The step column of a CSVLogger row (empty: 0); one sentence if it is not a step."""
-    step = metric_number(value or 0, metrics_csv, line, "step")
-    if not (0 <= step < math.inf and step == int(step)):
-        raise _damaged(metrics_csv, f"line {line} has step={value!r}, which is not a step")
-    return int(step)
-
-
-def _damaged(metrics_csv: Path, problem: str) -> ValueError:
-    return ValueError(
-        f"The metrics file {metrics_csv} is damaged: {problem}; restore it from a copy, or leave "
-        "this run out."
-    )
-
-
-def _columns(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
-    """Each metric's (step, value) pairs, in file order, empty cells skipped."""
-    columns: dict[str, list[tuple[int, float]]] = {}
-    for line, row in metrics_rows(metrics_csv):
-        step = metric_step(row.get("step"), metrics_csv, line)
-        for key, value in row.items():
-            if key != "step" and value not in ("", None):
-                columns.setdefault(key, []).append((step, metric_number(value, metrics_csv, line, key)))
-    return columns
 
 
 def _checkpoint_totals(run_dir: Path) -> dict[str, float]:
@@ -186,7 +138,7 @@ def _interp(x: float, points: list[tuple[int, float]]) -> float:
 
 def summarize(run_dir: Path, label: str) -> RunSummary:
     """The table row and the curve of one run."""
-    cols = _columns(run_dir / "metrics.csv")
+    cols = metric_columns(run_dir / "metrics.csv")
     if "flops/total" not in cols:
         totals = _checkpoint_totals(run_dir)
         if totals:
@@ -276,7 +228,7 @@ def compare(runs: list[str | Path], out: str | Path = "runs/compare") -> list[Ru
 def compare_command(args: list[str]) -> None:
     """`nag-lightning compare RUN [RUN ...] [--out DIR]`: a table of finished runs at their training
     FLOPs (printed, and written as CSV and markdown) and a plot of val bits per byte against them."""
-    from nag_lightning.cli import function_parser
+    from nag_lightning.arguments import function_parser
 
     parser = function_parser(compare, "nag-lightning compare", compare_command.__doc__, skip=("runs",))
     parser.add_argument("runs", nargs="+", help="run folders (with metrics.csv) or folders above them")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nag_lightning.analysis.sweepable import sweep_of
+from nag_lightning.analysis.sweeps.sweepable import sweep_of
 from nag_lightning.model import Transformer
 from nag_lightning.routers import Router
 
