@@ -20,6 +20,33 @@ from collections import defaultdict
 from pathlib import Path
 
 
+def read_folder(run_dir: Path) -> dict | None:
+    """A `study tasks` run folder as the probe's JSON: settings, accuracy history and final levels,
+    diagnostics and gradients; None if it holds no stream diagnostics."""
+    import yaml
+
+    from nag_lightning.analysis.studies.tasks import accuracy_history
+
+    version = run_dir / "version_0"
+    lines = version / "stream_diagnostics.jsonl"
+    if not lines.is_file():
+        return None
+    config = yaml.safe_load((version / "config.yaml").read_text())
+    arch = config["model"]["arch"]
+    history: dict[int, dict] = {}
+    for row in accuracy_history(version / "metrics.csv"):
+        level = "0" if row["name"] == "format" else row["name"].lstrip("k")
+        history.setdefault(row["step"], {})[level] = row["accuracy"]
+    steps = sorted(history)
+    rows = [json.loads(line) for line in lines.read_text().splitlines()]
+    return {"residual": arch["residual"], "residual_options": arch.get("residual_options") or {},
+            "lr": config["model"]["lr"], "depth": arch["n_layers"], "seed": config["seed_everything"],
+            "history": [{"step": step, "acc": history[step]} for step in steps],
+            "levels": {k: {"acc": v} for k, v in history[steps[-1]].items()},
+            "diagnostics": [r for r in rows if r["kind"] == "validation"],
+            "gradients": [r for r in rows if r["kind"] == "gradients"]}
+
+
 def label(run: dict) -> str:
     options = ", ".join(f"{k}={v}" for k, v in run.get("residual_options", {}).items())
     return f"{run['residual']}" + (f" ({options})" if options else "") + f" lr {run['lr']:g} L{run['depth']}"
@@ -45,12 +72,13 @@ def accuracy_table(groups: dict[str, list[dict]]) -> str:
     lines = ["| run | seeds | 1 hop | 2 hops | 3 hops | 4 hops | mean 3+4 | steps to 90%: 1 hop | 2 hops "
              "| steps to 50%: 3 hops | 4 hops |", "|---" * 11 + "|"]
     for name, runs in groups.items():
-        acc = {k: mean([r["levels"][k]["acc"] for r in runs]) for k in ("1", "2", "3", "4")}
+        acc = {k: mean([r["levels"].get(k, {}).get("acc") for r in runs]) for k in ("1", "2", "3", "4")}
+        hard = None if acc["3"] is None or acc["4"] is None else (acc["3"] + acc["4"]) / 2
         reach = [[steps_to(r, k, t) for r in runs] for k, t in (("1", .9), ("2", .9), ("3", .5), ("4", .5))]
         cells = [", ".join("-" if s is None else str(s) for s in seeds) for seeds in reach]
         lines.append(f"| {name} | {', '.join(str(r['seed']) for r in runs)} | "
                      + " | ".join(fmt(acc[k], 1, 100) for k in ("1", "2", "3", "4"))
-                     + f" | {fmt((acc['3'] + acc['4']) / 2, 1, 100)} | " + " | ".join(cells) + " |")
+                     + f" | {fmt(hard, 1, 100)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -124,10 +152,13 @@ def main() -> None:
     parser.add_argument("--match", nargs="*", default=[], help="keep runs whose label holds one of these")
     parser.add_argument("--figure", default=None)
     parser.add_argument("--sections", nargs="*", default=["accuracy", "gradients", "angles"])
+    parser.add_argument("--gradient_steps", nargs="*", type=int, default=[100, 500, 1000, 2000, 3000])
+    parser.add_argument("--angle_steps", nargs="*", type=int, default=[500, 3000])
     args = parser.parse_args()
     groups: dict[str, list[dict]] = defaultdict(list)
-    for path in sorted(Path(args.runs).glob("*.json")):
-        run = json.loads(path.read_text())
+    found = [json.loads(p.read_text()) for p in sorted(Path(args.runs).glob("*.json"))]
+    found += [r for r in map(read_folder, sorted(p for p in Path(args.runs).iterdir() if p.is_dir())) if r]
+    for run in found:
         name = label(run)
         if args.match and not any(m in name for m in args.match):
             continue
@@ -135,7 +166,9 @@ def main() -> None:
     groups = dict(sorted(groups.items(), key=lambda kv: (kv[1][0]["depth"], kv[0])))
     for runs in groups.values():
         runs.sort(key=lambda r: r["seed"])
-    sections = {"accuracy": accuracy_table, "gradients": gradient_table, "angles": angle_table}
+    sections = {"accuracy": accuracy_table,
+                "gradients": lambda groups: gradient_table(groups, args.gradient_steps),
+                "angles": lambda groups: angle_table(groups, args.angle_steps)}
     for section in args.sections:
         print(sections[section](groups) + "\n")
     if args.figure:
