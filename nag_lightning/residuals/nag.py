@@ -107,9 +107,10 @@ class NAGResidual(ResidualStrategy):
             x = sqrt(d) exp(rho) u, in NAG's lanes, the ablation of the one thing NAG removes);
             or "lane" (the same k, with rho NAG's learned lane, rho + g beta_l a / sqrt(d): the
             model sets how much a token's state resists later turns).
-        gate_gain: the scale of the gate's dot product with u (and with f / |f|); None means
-            sqrt(d_model), which makes an Adam step on w move the gate's logit by about
-            0.8 * d_model * lr: a gain of 1 makes the gate learn sqrt(d_model) times slower.
+        gate_gain: the scale of the gate's dot product with u (and with f / |f|), a positive
+            number or "sqrt_d" (sqrt(d_model), with which an Adam step on w moves the gate's logit
+            by about 0.8 * d_model * lr; a gain of 1 makes the gate learn sqrt(d_model) times
+            slower). None means the default, or, when a checkpoint is loaded, its own.
     """
 
     def __init__(
@@ -129,7 +130,7 @@ class NAGResidual(ResidualStrategy):
         gate_reads: str = "state",
         learned_bound: bool = False,
         channel_scale: bool = False,
-        gate_gain: float | None = None,
+        gate_gain: float | str | None = None,
         inertia: str = "none",
     ) -> None:
         super().__init__(d_model, n_sublayers)
@@ -149,6 +150,7 @@ class NAGResidual(ResidualStrategy):
             angle_cost = self.ANGLE_COST if angle == "gate" else 0.0
         if gate_radial is None:
             gate_radial = self.GATE_RADIAL and angle == "gate"
+        gate_gain = self.GATE_GAIN if gate_gain is None else gate_gain
         check_settings(theta_max=theta_max, norm_lane_readout=norm_lane_readout, bound=bound, angle=angle,
                        angle_cost=angle_cost, gate_radial=gate_radial, gate_reads=gate_reads,
                        learned_bound=learned_bound, channel_scale=channel_scale, gate_gain=gate_gain,
@@ -192,6 +194,7 @@ class NAGResidual(ResidualStrategy):
     # (docs/results_history.md, section 0, "The price of turning").
     ANGLE_COST = 0.03
     GATE_RADIAL = True
+    GATE_GAIN: float | str = "sqrt_d"
 
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
@@ -275,8 +278,8 @@ class NAGResidual(ResidualStrategy):
 
     @property
     def gain(self) -> float:
-        """The scale of the gate's dot products: gate_gain, or sqrt(d_model)."""
-        return math.sqrt(self.d_model) if self.gate_gain is None else self.gate_gain
+        """The scale of the gate's dot products: gate_gain, "sqrt_d" meaning sqrt(d_model)."""
+        return math.sqrt(self.d_model) if self.gate_gain == "sqrt_d" else float(self.gate_gain)
 
     def bound_of(self, index: int) -> float | Tensor:
         """Sublayer `index`'s bound on the gated angle: theta_max, or its learned bound."""

@@ -21,7 +21,7 @@ or as NAG's learned lane."""
 
 def check_settings(theta_max: float, norm_lane_readout: bool, bound: str, angle: str, angle_cost: float,
                    gate_radial: bool, gate_reads: str = "state", learned_bound: bool = False,
-                   channel_scale: bool = False, gate_gain: float | None = None,
+                   channel_scale: bool = False, gate_gain: float | str = "sqrt_d",
                    inertia: str = "none") -> None:
     """One sentence for settings of NAG it cannot run with, given to the constructor or read from a
     checkpoint's saved state (`NAGResidual.set_extra_state`), where they may be any value."""
@@ -50,8 +50,8 @@ def check_settings(theta_max: float, norm_lane_readout: bool, bound: str, angle:
     if angle != "gate" and (gate_reads != "state" or learned_bound):
         raise ValueError(f"gate_reads and learned_bound shape the gated angle; got angle={angle!r}: "
                          "give angle: gate, or drop them.")
-    if gate_gain is not None and not (_number(gate_gain) and math.isfinite(gate_gain) and gate_gain > 0):
-        raise ValueError(f"gate_gain must be positive, or null for sqrt(d_model); got "
+    if gate_gain != "sqrt_d" and not (_number(gate_gain) and math.isfinite(gate_gain) and gate_gain > 0):
+        raise ValueError(f"gate_gain must be a positive number or sqrt_d; got "
                          f"{shorten(repr(gate_gain))}.")
     if inertia not in INERTIA:
         raise ValueError(f"inertia must be one of {INERTIA}; got {shorten(repr(inertia))}.")
