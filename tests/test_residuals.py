@@ -91,10 +91,10 @@ def test_nag_theta_does_not_depend_on_rho():
 
 
 def test_nag_rho_moves_with_the_radial_part():
-    """By beta * a / sqrt(d), times theta / theta_max with the default gate_radial (the gate starts
-    at half the bound)."""
+    """By beta * a / sqrt(d), times theta / theta_max with gate_radial (the gate starts at half the
+    bound)."""
     u, rho = unit_state(nag())
-    for options, share in (({"gate_radial": False}, 1.0), ({}, 0.5), ({"angle": "magnitude"}, 1.0)):
+    for options, share in (({}, 1.0), ({"gate_radial": True}, 0.5), ({"angle": "magnitude"}, 1.0)):
         (_, rho_new), _ = nag(beta_init=0.5, **options).write((u, rho), 2.0 * u, None, index=0)
         torch.testing.assert_close(rho_new, rho + share * 0.5 * 2.0 / math.sqrt(D))
 
@@ -312,7 +312,8 @@ def test_gated_nag_angle_comes_from_the_gate_not_the_update_size():
     assert torch.equal(thetas[0], thetas[1]) and torch.equal(thetas[1], thetas[2])  # size-blind
     assert (thetas[0] < strategy.theta_max).all()
     assert thetas[0].min() < 0.7 * thetas[0].max()  # tells tokens apart
-    score = math.sqrt(D) * (u @ strategy.gate_w[2]) + strategy.gate_b[2]
+    assert strategy.gain == 1.0  # the default gate_gain: the gate learns slowly
+    score = strategy.gain * (u @ strategy.gate_w[2]) + strategy.gate_b[2]
     torch.testing.assert_close(thetas[0], strategy.theta_max * torch.sigmoid(score).detach())
 
 
@@ -446,7 +447,7 @@ def test_gate_radial_scales_the_radial_update_by_the_gates_share_of_the_bound():
     """With gate_radial the log-norm moves by theta / theta_max of the free write's radial update
     (the direction is the same), so a token the gate barely turns keeps its norm; gate 0 is still
     the identity."""
-    free, tied = gated_nag(beta_init=0.7, gate_radial=False), gated_nag(beta_init=0.7)
+    free, tied = gated_nag(beta_init=0.7), gated_nag(beta_init=0.7, gate_radial=True)
     u, rho = unit_state(free)
     f = sublayer_outputs(u)["random"]
     (u_free, rho_free), theta = free.write((u, rho), f, None, 3)

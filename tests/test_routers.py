@@ -325,7 +325,7 @@ def train(model: Transformer, batches: list[torch.Tensor], lr: float = 3e-3) -> 
 @pytest.mark.parametrize("residual", RESIDUALS.names())
 def test_threshold_target_rate_is_reached_in_a_short_run(residual):
     model = tiny(residual, "threshold", router_options={"target_rate": 0.25, "warmup_steps": 5})
-    rates = train(model, text_batches(100))
+    rates = train(model, text_batches(150))
     assert rates[0] == 0.0  # warm-up: every token runs
     # training: the controller's rate, averaged over the last 40 steps
     assert sum(rates[-40:]) / 40 == pytest.approx(0.25, abs=0.02)
@@ -339,7 +339,8 @@ def test_threshold_target_rate_is_reached_in_a_short_run(residual):
     # (within 3 points under init_std 0.02; 3.3-3.7 points under the 1/sqrt(d) init, where the
     # predictions still drift faster at step 100 and the running threshold lags them; 2.3 points
     # for the priced NAG on this text, and up to 5 on this package's own source, which every edit
-    # changed: hence the fixed text)
+    # changed: hence the fixed text; NAG's slow gate still moves at step 100, where held-out routing
+    # lagged by 6.1 points, 2.8 at step 150: hence 150 steps)
     assert sum(held_out) / len(held_out) == pytest.approx(sum(rates[-40:]) / 40, abs=0.04)
     assert all(s.router.tau.item() > 0 for s in model.sublayers)
 

@@ -7,22 +7,23 @@ angle comes from a learned gate on the token's own direction, the direction of t
 the sublayer's tangential output f⊥:
 
     u ──┬─> √d·u·γ_l ─> F_l ─> f ─> a = <f,u>, f⊥ = f - a·u
-        ├─> θ = θmax·sigmoid(√d·<w_l, u> + b_l)·g        (θmax = min(8/N, π/2) by default)
+        ├─> θ = θmax·sigmoid(c·<w_l, u> + b_l)·g        (θmax = min(8/N, π/2), c = gate_gain = 1)
         └───────────────────────────────> u' = cos θ · u + sin θ · f⊥/|f⊥|      (|u'| = 1)
-    rho ───────────────────────────────> rho' = rho + (θ/θmax)·β_l·a/√d
+    rho ───────────────────────────────> rho' = rho + g·β_l·a/√d
 
 Since every sublayer turns u by at most θmax whatever the state's history, a late layer matters as
 much as an early one; θ is also the sublayer's contribution, the number routers threshold on. The
 update runs through `nag_kernels.nag_write`: a fused Triton kernel on CUDA, the PyTorch reference
 elsewhere.
 
-Turning has a price: training adds angle_cost·mean(θ/θmax) to the loss (0.03 by default), so a
-token turns only where the sublayer is worth it, and the radial update follows the gate too
-(gate_radial), so a token the gate barely turns barely changes at all. Without the price nearly
-every token turned by a similar angle, and without the tie the price moved the work of
-low-angle tokens into the radial lane; with both, skipping the quarter of smallest angles after
-training costs less than it costs pre-norm, at the unpriced gate's quality
-(docs/results_history.md, section 0). `angle_cost: 0, gate_radial: false` gives the unpriced gate.
+The gate learns slowly (gate_gain 1): with a gain of √d an Adam step on w_l moved the gate's logit
+by about 0.8·d·lr, and on a task where depth is the bottleneck the gates closed on the answer
+tokens during the first plateau, which multiplied the gradient reaching those sublayers by sin θ ≈ 0
+so the skill came late or never (docs/results_tasks.md, "NAG's formulation where depth matters").
+Turning may be priced (angle_cost: angle_cost·mean(θ/θmax) joins the loss, and with gate_radial
+the radial update follows the gate too): that made the angle cheaper to skip on after training on
+text, but on the task it closed the gates as well, so the default no longer prices it;
+`{gate_gain: sqrt_d, angle_cost: 0.03, gate_radial: true}` is the earlier default.
 
 `angle="magnitude"`, the first formulation, takes the angle from the size of f instead:
 θ = θmax·tanh(g·α_l·|f⊥| / (√d·θmax)) (θmax = 4/N). Adam then grows |f⊥| until nearly every token
@@ -82,14 +83,14 @@ class NAGResidual(ResidualStrategy):
             sublayers and tokens of theta / theta_max (added to the auxiliary loss): a price on
             turning, so a token turns only where the sublayer is worth it to the language loss,
             and skipping the tokens of smallest angle after training costs less. None means
-            0.03 for the gated angle (0 for the magnitude angle, which it cannot price), or, when
-            a checkpoint is loaded, the price it was trained under; a value given wins over the
+            0 (0.03 was the default before the gate learned slowly), or, when a checkpoint is
+            loaded, the price it was trained under; a value given wins over the
             checkpoint's, to go on training under it.
         gate_radial: scale the radial (log-norm) update of the gated angle by theta / theta_max
             as well, so a token its gate barely turns keeps its norm too: the whole write follows
             the gate, and skipping a token of small angle loses little of either lane. None
-            means on for the gated angle, or, when a checkpoint is loaded, what it was trained
-            with.
+            means off (on was the default before the gate learned slowly), or, when a checkpoint
+            is loaded, what it was trained with.
         gate_reads: what the gated angle's gate reads: "state" (the token's direction u alone,
             known before the sublayer runs) or "update" (u and the direction of what the
             sublayer wrote, f / |f|, with weights of their own initialised at 0: the angle then
@@ -189,12 +190,11 @@ class NAGResidual(ResidualStrategy):
         if channel_scale:
             self.channel_gain = nn.Parameter(torch.ones(n_sublayers, d_model))
 
-    # The defaults of the gated angle: with them skipping the quarter of smallest angles after
-    # training costs less than pre-norm's, at the quality of the unpriced gate
-    # (docs/results_history.md, section 0, "The price of turning").
-    ANGLE_COST = 0.03
-    GATE_RADIAL = True
-    GATE_GAIN: float | str = "sqrt_d"
+    # The defaults of the gated angle: a slow gate, unpriced, trained the multi-hop skill at 8 blocks
+    # where the fast priced gate did not, and did better on text (docs/results_tasks.md).
+    ANGLE_COST = 0.0
+    GATE_RADIAL = False
+    GATE_GAIN: float | str = 1.0
 
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
