@@ -22,7 +22,8 @@ def test_fit_with_the_callback_records_gradients_and_the_diagnosis(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     run_lightning_cli(["fit", "--config", DEBUG, "--trainer.enable_progress_bar=false",
                        "--trainer.callbacks+=nag_lightning.callbacks.StreamDiagnostics",
-                       "--trainer.callbacks.every_n_steps=2"])
+                       "--trainer.callbacks.every_n_steps=2",
+                       "--model.arch.residual_options={angle_cost: 0.03}"])  # priced: aux is recorded
     written = next(tmp_path.rglob("stream_diagnostics.jsonl")).read_text().splitlines()
     rows = [json.loads(line) for line in written]
     gradients = [r for r in rows if r["kind"] == "gradients"]
