@@ -304,11 +304,12 @@ class NAGResidual(ResidualStrategy):
 
     def _given_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
         """The gated write with its angle computed here: from the update too (gate_reads
-        "update"), or under a learned bound."""
+        "update" or "tangent"), or under a learned bound."""
         bound = self.bound_of(index)
         logit = self.gain * (u.float() @ self.gate_w[index].float()) + self.gate_b[index].float()
-        f32 = f.float()
-        size = torch.linalg.vector_norm(f32, dim=-1, keepdim=True).clamp_min(1e-12)
+        if self.gate_reads != "state":  # f's size, only where the gate reads the update
+            f32 = f.float()
+            size = torch.linalg.vector_norm(f32, dim=-1, keepdim=True).clamp_min(1e-12)
         if self.gate_reads == "update":
             logit = logit + self.gain * ((f32 / size) @ self.gate_v[index].float())
         share = torch.sigmoid(logit)  # the angle's share of the bound
@@ -322,8 +323,7 @@ class NAGResidual(ResidualStrategy):
         angle = bound * share
         u_new, rho_new, theta, _ = nag_write(
             u, f, rho, share if self.gate_radial else gate, self.alpha[index], self.beta[index],
-            self.theta_max,
-            backend=self.kernel, angle=angle,
+            self.theta_max, backend=self.kernel, angle=angle,
         )
         if self.angle_cost and self.training:
             turned = share.sum()
