@@ -35,8 +35,8 @@ class TransformerConfig:
             path of a router in any importable module.
         router_options: keyword options of the router (e.g. capacity, tau, target_rate).
         route_kinds: which sublayer kinds are routed: "attn", "mlp" or both.
-        route_layers: which blocks are routed: "all", "every_other" (1, 3, 5, ...) or a list of
-            block indices.
+        route_layers: which blocks are routed: "all", "every_other" (1, 3, 5, ...), "inner" (all
+            but the first and the last) or a list of block indices.
         init_std: standard deviation of linear weights at init; null means 1/sqrt(d_model). GPT-2's
             0.02 suits width 768; at width 64 it is 6x too small, and both residuals trained 0.3-0.55
             bits per byte worse under it (docs/results_history.md, section 0).
@@ -125,11 +125,13 @@ class TransformerConfig:
             return set(range(self.n_layers))
         if self.route_layers == "every_other":
             return set(range(1, self.n_layers, 2))
+        if self.route_layers == "inner":  # the first and last blocks run every token
+            return set(range(1, self.n_layers - 1))
         if isinstance(self.route_layers, str) or any(
             not 0 <= i < self.n_layers for i in self.route_layers
         ):
             raise ValueError(
-                f"model.arch.route_layers must be 'all', 'every_other' or a list of block indices in "
+                f"model.arch.route_layers must be 'all', 'every_other', 'inner' or a list of block indices in "
                 f"[0, {self.n_layers}); got {self.route_layers!r}."
             )
         return set(self.route_layers)

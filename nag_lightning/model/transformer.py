@@ -108,6 +108,12 @@ class Transformer(nn.Module):
     def sublayers(self) -> list[Sublayer]:
         return [s for block in self.blocks for s in (block.attn, block.mlp)]
 
+    def set_progress(self, progress: float) -> None:
+        """How far training has come, 0 to 1, for every router (`Router.set_progress`: the skip-rate
+        warm-up); the LightningModule calls it before each training step."""
+        for sublayer in self.sublayers:
+            sublayer.router.set_progress(progress)
+
     def record_diagnostics(self, on: bool) -> None:
         """Keep each sublayer's contribution and state norm after the next forward passes."""
         for sublayer in self.sublayers:

@@ -75,6 +75,39 @@ class Router(nn.Module):
         # that learns state (not parameters) in `observe` must leave that state alone until the
         # step's backward is done: the model sets this, and calls `apply_update` after backward.
         self.defer_updates = False
+        self.full_depth_share = 0.0
+        self.ramp_share = 0.0
+        self.rate_scale = 1.0  # the share of its skip rate the router skips at now: see set_progress
+
+    def set_rate_warmup(self, full_depth_share: float, ramp_share: float) -> None:
+        """A skip-rate warm-up: every token runs for the first `full_depth_share` of training, then
+        the skip rate rises linearly to the router's target over the next `ramp_share`, so the
+        model learns what is worth keeping before tokens skip. Shares of the run as
+        `set_progress` measures it (of its steps, or of its FLOP budget when one ends it)."""
+        for name, value in (("full_depth_share", full_depth_share), ("ramp_share", ramp_share)):
+            if not 0 <= value <= 1:
+                raise ValueError(
+                    f"router_options.{name} is a share of training, in [0, 1] (e.g. 0.1); got {value}."
+                )
+        if full_depth_share + ramp_share > 1:
+            raise ValueError(
+                f"router_options.full_depth_share + ramp_share is {full_depth_share + ramp_share:g}, "
+                "more than the whole run; lower one of them."
+            )
+        self.full_depth_share, self.ramp_share = float(full_depth_share), float(ramp_share)
+
+    def set_progress(self, progress: float) -> None:
+        """How far training has come, 0 to 1: the LightningModule calls it before every training
+        step (the share of its steps, or of the FLOP budget when one ends the run, so a resumed
+        run continues where it was). It sets `rate_scale`, the share of the target skip rate the
+        warm-up allows now: 0 at full depth, 1 once ramped. Outside training, and for a model
+        nothing calls this on, `rate_scale` stays 1: evaluation and generation route at the target."""
+        if progress < self.full_depth_share:
+            self.rate_scale = 0.0
+        elif self.ramp_share <= 0:
+            self.rate_scale = 1.0
+        else:
+            self.rate_scale = min(1.0, (progress - self.full_depth_share) / self.ramp_share)
 
     def forward(self, h: Tensor) -> Route:
         """Decide from the read input h (B, T, d) which tokens run the sublayer (a router that

@@ -104,6 +104,10 @@ class ThresholdRouter(Router):
         predictor: "probe" (a linear probe on h, learned by regression on the measured angle) or
             "angle" (the residual strategy's own angle, known before the sublayer runs: NAG with
             the gated angle; nothing to learn, and no parameters).
+        full_depth_share: share of training (of its steps, or of its FLOP budget) at the start
+            during which every token runs: the skip-rate warm-up (`Router.set_rate_warmup`).
+        ramp_share: share of training after that over which the skip rate rises linearly to its
+            target. Evaluation routes at the rate training has reached (tau follows it).
     """
 
     needs_contribution = True
@@ -118,6 +122,8 @@ class ThresholdRouter(Router):
         calibration: float = 0.1,
         warmup_steps: int = 10,
         predictor: str = "probe",
+        full_depth_share: float = 0.0,
+        ramp_share: float = 0.0,
     ) -> None:
         super().__init__(d_model)
         if predictor not in PREDICTORS:
@@ -144,6 +150,13 @@ class ThresholdRouter(Router):
         self.tau_average = float(tau_average)
         self.calibration = float(calibration)
         self.warmup_steps = warmup_steps
+        self.set_rate_warmup(full_depth_share, ramp_share)
+        if ramp_share > 0 and target_rate is None:
+            raise ValueError(
+                "router_options.ramp_share ramps the skip rate up to target_rate, and this router has "
+                "a fixed tau instead: set target_rate, or leave ramp_share at 0."
+            )
+        self._full_depth_now = False  # training in the warm-up's full-depth share: every token runs
         self.predictor = predictor
         self.reads_planned_angle = predictor == "angle"
         self.needs_contribution = predictor == "probe"  # the regression target
@@ -161,11 +174,20 @@ class ThresholdRouter(Router):
         self.register_buffer("tau_live", torch.tensor(float(tau)))
         self.register_buffer("bias_offset", torch.tensor(0.0))
         self.register_buffer("steps", torch.tensor(0, dtype=torch.long))
+        # The skip rate the controller aims at now (target_rate x the warm-up's rate_scale): a
+        # tensor, so a rate that moves every step recompiles nothing; set again each step.
+        self.register_buffer("rate_now", torch.tensor(self.target_rate or 0.0), persistent=False)
         self._steps_seen: int | None = None  # host copy of `steps`: routing needs no device sync
         self._theta_hat: Tensor | None = None
         self.last_prediction: Tensor | None = None  # the last forward's theta_hat, detached
         self._pending: dict[str, Tensor] | None = None  # computed by observe, not yet applied
         self._stats: dict[str, Tensor] = {}
+
+    def set_progress(self, progress: float) -> None:
+        """The warm-up's share of the target rate (`Router.set_progress`), into `rate_now`."""
+        super().set_progress(progress)
+        self._full_depth_now = self.rate_scale == 0.0
+        self.rate_now.fill_((self.target_rate or 0.0) * self.rate_scale)
 
     def _steps(self) -> int:
         if self._steps_seen is None:
@@ -203,7 +225,7 @@ class ThresholdRouter(Router):
             theta_hat = planned_angle.detach().float()
         self._theta_hat = theta_hat
         self.last_prediction = theta_hat.detach()
-        if self.training and self._steps() < self.warmup_steps:
+        if self.training and (self._steps() < self.warmup_steps or self._full_depth_now):
             return Route()
         return Route(executed=theta_hat.detach() >= self.threshold())
 
@@ -284,7 +306,7 @@ class ThresholdRouter(Router):
             return
         rate = (values < update["tau_live"]).float().mean()
         spread = values.clamp_min(1e-12).log().std().nan_to_num(0.0)
-        step = torch.exp(self.tau_gain * spread * (self.target_rate - rate))
+        step = torch.exp(self.tau_gain * spread * (self.rate_now - rate))
         update["tau_live"] = (update["tau_live"] * step).clamp(min=1e-12)
         weight = max(self.tau_average, 1.0 / (self._steps() + 1))
         log_tau = torch.lerp(update["tau"].clamp_min(1e-12).log(), quantile.log(), weight)
@@ -300,8 +322,8 @@ class ThresholdRouter(Router):
         the band, the nearest split between distinct values is taken. Never skips every token."""
         v = values.sort().values.clamp_min(1e-12)  # (n,)
         n = v.numel()
-        target = self.target_rate * n
-        band = min(SPLIT_BAND, self.target_rate) * n
+        target = self.rate_now * n  # the warm-up's rate, target_rate once ramped
+        band = self.rate_now.clamp(max=SPLIT_BAND) * n
         splits = torch.arange(n, device=v.device)  # the split skips the `split` smallest
         gap = torch.zeros(n, device=v.device)
         gap[1:] = v[1:].log() - v[:-1].log()

@@ -40,6 +40,10 @@ class TopKRouter(Router):
         predictor_hidden: hidden width of the causal predictor MLP used in eval mode.
         eval_routing: "predictor" (causal, the default) routes eval and generation with the
             predictor; "topk" uses the exact, non-causal top-k there too (analysis only).
+        full_depth_share: share of training (of its steps, or of its FLOP budget) at the start
+            during which every token runs: the skip-rate warm-up (`Router.set_rate_warmup`).
+        ramp_share: share of training after that over which the skip rate 1 - capacity rises
+            linearly to its target. The predictor learns the capacity training routes at.
     """
 
     def __init__(
@@ -48,6 +52,8 @@ class TopKRouter(Router):
         capacity: float = 0.75,
         predictor_hidden: int = 64,
         eval_routing: str = "predictor",
+        full_depth_share: float = 0.0,
+        ramp_share: float = 0.0,
     ) -> None:
         super().__init__(d_model)
         if not 0 < capacity <= 1:
@@ -62,6 +68,7 @@ class TopKRouter(Router):
                 f"router_options.eval_routing must be one of {EVAL_ROUTING}; got {eval_routing!r}."
             )
         self.capacity = float(capacity)
+        self.set_rate_warmup(full_depth_share, ramp_share)
         self.predictor_hidden = predictor_hidden
         self.eval_routing = eval_routing
         self.score = nn.Linear(d_model, 1, bias=False)
@@ -76,7 +83,10 @@ class TopKRouter(Router):
         B, T, _ = h.shape
         s = self.score(h).squeeze(-1)  # (B, T)
         logit = self.predictor(h.detach()).squeeze(-1)  # (B, T), causal: one token at a time
-        k = math.ceil(self.capacity * T)
+        capacity = self.capacity
+        if self.training:  # the warm-up's share of the skip rate 1 - capacity (`Router.set_progress`)
+            capacity = 1.0 - (1.0 - capacity) * self.rate_scale
+        k = math.ceil(capacity * T)
         top = s.detach().topk(k, dim=1).indices.sort(dim=1).values  # (B, k) positions, in order
         in_topk = torch.zeros_like(s, dtype=torch.bool).scatter_(1, top, True)  # (B, T)
         positions = None

@@ -31,13 +31,7 @@ from nag_lightning.model.compile import compile_model
 from nag_lightning.tasks import Labelled
 from nag_lightning.tasks.evaluation import DifficultyScores, score_batch
 from nag_lightning.training.optim import (  # noqa: F401 - importable here as before
-    SCHEDULES,
-    RunBudget,
-    adamw,
-    fused_adamw,
-    lr_factor,
-    warmup_cosine,
-    warmup_stable_decay,
+    SCHEDULES, RunBudget, adamw, fused_adamw, lr_factor, warmup_cosine, warmup_stable_decay,
 )
 
 
@@ -202,6 +196,9 @@ class LanguageModel(L.LightningModule):
         return loss, out.aux_loss
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        if self.routed:  # the routers' skip-rate warm-up follows the run's progress, as WSD does
+            done = self.global_step / max(self.trainer.estimated_stepping_batches, 1)
+            self.model.set_progress(self.budget.progress if self.budget is not None else done)
         loss, aux = self._loss(batch)
         if not torch.isfinite(loss):
             raise FloatingPointError(
