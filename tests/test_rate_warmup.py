@@ -32,7 +32,8 @@ def skipped(router, x: torch.Tensor) -> float:
     return 0.0 if route.executed is None else 1.0 - route.executed.float().mean().item()
 
 
-@pytest.mark.parametrize("progress, capacity", [(0.0, 1.0), (0.1, 1.0), (0.3, 0.875), (0.5, 0.75), (0.9, 0.75)])
+@pytest.mark.parametrize("progress, capacity",
+                         [(0.0, 1.0), (0.1, 1.0), (0.3, 0.875), (0.5, 0.75), (0.9, 0.75)])
 def test_topk_capacity_follows_the_warmup(progress, capacity):
     router = TopKRouter(16, capacity=0.75, full_depth_share=0.1, ramp_share=0.4).train()
     router.set_progress(progress)
@@ -48,7 +49,8 @@ def test_topk_evaluation_and_an_untouched_router_route_at_the_target():
 
 
 def test_threshold_router_runs_every_token_then_aims_at_the_ramped_rate():
-    router = ThresholdRouter(16, target_rate=0.4, warmup_steps=0, full_depth_share=0.2, ramp_share=0.4).train()
+    router = ThresholdRouter(16, target_rate=0.4, warmup_steps=0, full_depth_share=0.2,
+                             ramp_share=0.4).train()
     router.set_progress(0.1)
     x = h()
     route = router(x)
@@ -106,9 +108,9 @@ def fit(router_options: dict, steps: int, callbacks: list) -> tuple[LanguageMode
             executed.append(runs.float().mean().item() / 16)
 
     data = torch.randint(0, 256, (8 * 4, 17), generator=torch.Generator().manual_seed(1))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[*callbacks, Record()])
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[*callbacks, Record()])
     trainer.fit(module, DataLoader(data, batch_size=4))
     return module, executed
 

@@ -131,8 +131,8 @@ class TransformerConfig:
             not 0 <= i < self.n_layers for i in self.route_layers
         ):
             raise ValueError(
-                f"model.arch.route_layers must be 'all', 'every_other', 'inner' or a list of block indices in "
-                f"[0, {self.n_layers}); got {self.route_layers!r}."
+                "model.arch.route_layers must be 'all', 'every_other', 'inner' or a list of block "
+                f"indices in [0, {self.n_layers}); got {self.route_layers!r}."
             )
         return set(self.route_layers)
 

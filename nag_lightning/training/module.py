@@ -31,7 +31,13 @@ from nag_lightning.model.compile import compile_model
 from nag_lightning.tasks import Labelled
 from nag_lightning.tasks.evaluation import DifficultyScores, score_batch
 from nag_lightning.training.optim import (  # noqa: F401 - importable here as before
-    SCHEDULES, RunBudget, adamw, fused_adamw, lr_factor, warmup_cosine, warmup_stable_decay,
+    SCHEDULES,
+    RunBudget,
+    adamw,
+    fused_adamw,
+    lr_factor,
+    warmup_cosine,
+    warmup_stable_decay,
 )
 
 
@@ -197,8 +203,8 @@ class LanguageModel(L.LightningModule):
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         if self.routed:  # the routers' skip-rate warm-up follows the run's progress, as WSD does
-            done = self.global_step / max(self.trainer.estimated_stepping_batches, 1)
-            self.model.set_progress(self.budget.progress if self.budget is not None else done)
+            total = max(self.trainer.estimated_stepping_batches, 1)
+            self.model.set_progress(self._progress(total)(self.global_step))
         loss, aux = self._loss(batch)
         if not torch.isfinite(loss):
             raise FloatingPointError(
@@ -355,18 +361,16 @@ class LanguageModel(L.LightningModule):
         return module
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """`nn.Module.load_state_dict`, with weights that do not fit this model said in one
-        sentence (the Trainer restores checkpoints through it too)."""
+        """`nn.Module.load_state_dict`; weights that do not fit are said in one sentence."""
         from nag_lightning.checkpoints.reader import fitting_weights
 
         with fitting_weights(self.state_dict(), state_dict):
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """The callbacks the residual strategy's method needs (`ResidualStrategy.training_callbacks`,
-        named by class path, so neither the model nor this module imports a callback): weight
-        projection (nGPT's renormalization after each step) for a strategy that constrains the
-        weights."""
+        """The callbacks the residual strategy needs (`ResidualStrategy.training_callbacks`, named by
+        class path, so neither the model nor this module imports a callback): e.g. nGPT's
+        renormalization of the weights after each step."""
         callbacks = []
         for path in self.model.strategy.training_callbacks:
             module_name, _, class_name = path.rpartition(".")
