@@ -16,6 +16,7 @@ from nag_lightning.tasks.evaluation import (
     DifficultyScores,
     TokenScores,
     evaluate_by_difficulty,
+    every_token_runs,
     level_table,
     score_batch,
     spearman,
@@ -65,6 +66,27 @@ def test_a_router_skips_show_as_fewer_executed_sublayers():
     counts = sum(row["count"] for row in report.rows)
     mean_skip = sum(row["skip_rate"] * row["count"] for row in report.rows) / counts
     assert math.isclose(mean_skip, mod_rate, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("router, options", [("topk", {"capacity": 0.5}),
+                                             ("threshold", {"predictor": "angle", "tau": 1.0})])
+def test_every_token_runs_scores_a_routed_model_at_full_depth_with_its_gates(router, options):
+    model, batch = tiny("nag", router=router, router_options=options), hops_batch()
+    with every_token_runs(model):
+        scores = score_batch(model, batch)
+        with torch.no_grad():
+            logits = model(batch.tokens[:, :-1]).logits
+    assert (scores.executed == len(model.sublayers)).all()
+    # the same model with its routers' gates but nothing skipped: top-k writes with sigmoid(score)
+    with torch.no_grad():
+        state = model.strategy.init_state(model.embed(batch.tokens[:, :-1]))
+        for sublayer in model.sublayers:
+            h = model.strategy.read(state, sublayer.index)
+            gate = torch.sigmoid(sublayer.router.score(h).squeeze(-1)) if router == "topk" else None
+            f = sublayer.compute(h)
+            state, _ = model.strategy.write(state, f, gate, sublayer.index, False)
+        torch.testing.assert_close(logits, model.readout(state))
+    assert score_batch(model, batch).executed.min() < len(model.sublayers)  # routing is back
 
 
 def test_under_the_oracle_only_the_kept_writes_count():

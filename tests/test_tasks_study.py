@@ -87,6 +87,9 @@ def test_each_router_setting_is_its_own_run_and_its_skips_are_counted(tmp_path, 
     skips = {r["router"]: sum(x["skip_rate"] * x["count"] for x in rows if x["router"] == r["router"])
              for r in rows}
     assert skips["none"] == 0 and skips["topk50"] > 0
+    # a routed run is also scored with every token run through every sublayer; an unrouted one not
+    assert all((r["router"] == "topk50") == ("accuracy_every_token" in r) for r in rows)
+    assert all(0 <= r["accuracy_every_token"] <= 1 for r in rows if r.get("accuracy_every_token") is not None)
     assert "| nag | topk50 | 2 |" in (tmp_path / "study" / "tasks.md").read_text()
 
 

@@ -17,6 +17,8 @@ difficulty, `spearman`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -27,6 +29,7 @@ from torchmetrics.functional import spearman_corrcoef
 from torchmetrics.utilities import dim_zero_cat
 
 from nag_lightning.model import Transformer
+from nag_lightning.routers import Route
 from nag_lightning.tasks import FORMAT, TASKS, UNPREDICTABLE, Labelled, build_task
 
 
@@ -146,6 +149,26 @@ def evaluate_by_difficulty(model: Transformer, sequences: Labelled, batch_size: 
     return DifficultyReport(level_table(tokens, len(model.sublayers)), tokens)
 
 
+@contextmanager
+def every_token_runs(model: Transformer) -> Iterator[Transformer]:
+    """Within: every routed sublayer runs every token, each writing with the gate its router gives
+    (top-k's sigmoid score; 1 for the threshold router). A routed model scored this way shows what
+    it learned, apart from what its routing lets it use: the two differ where evaluation's skips
+    take an answer's sublayers, and agree where training itself did not learn the skill."""
+    routers = [s.router for s in model.sublayers if s.routed]
+
+    def full_depth(decide):
+        return lambda *args, **kwargs: Route(gate=decide(*args, **kwargs).gate)
+
+    for router in routers:
+        router.forward = full_depth(router.forward)  # an instance attribute: nn.Module calls it
+    try:
+        yield model
+    finally:
+        for router in routers:
+            del router.forward
+
+
 def task_sequences(task: str, task_options: dict, n: int, length: int, seed: int) -> Labelled:
     """`n` labelled sequences of `length` tokens of a registered task, from an evaluation seed
     stream of `seed` that training and validation never draw from."""
@@ -157,15 +180,18 @@ def task_sequences(task: str, task_options: dict, n: int, length: int, seed: int
 
 
 def evaluate_checkpoint(ckpt_path: str, sequences: Labelled, batch_size: int = 32, device: str = "cpu",
-                        trust_checkpoint: bool = False) -> DifficultyReport:
+                        trust_checkpoint: bool = False, every_token: bool = False) -> DifficultyReport:
     """`evaluate_by_difficulty` of a `nag-lightning fit` checkpoint's model, read as untrusted input
-    (`nag_lightning.checkpoints.reader`)."""
+    (`nag_lightning.checkpoints.reader`); with `every_token`, at full depth (`every_token_runs`)."""
     from nag_lightning.checkpoints.reader import load_transformer
 
     model, _ = load_transformer(ckpt_path, device, trust_checkpoint)
     if len(sequences.tokens[0]) - 1 > model.cfg.seq_len:
         raise ValueError(f"The sequences have {len(sequences.tokens[0]) - 1} input tokens, more than the "
                          f"checkpoint's model.arch.seq_len = {model.cfg.seq_len}; give shorter ones.")
+    if every_token:
+        with every_token_runs(model):
+            return evaluate_by_difficulty(model, sequences, batch_size)
     return evaluate_by_difficulty(model, sequences, batch_size)
 
 

@@ -77,18 +77,33 @@ def task_settings(config: Path) -> tuple[str, dict, int]:
 
 def evaluate_run(run: Path, sequences: int, seed: int, trust_checkpoint: bool) -> dict:
     """Accuracy, loss and compute per level of a finished run's last checkpoint, on `sequences`
-    fresh sequences of its task, and the rank correlations (cached in difficulty.json)."""
+    fresh sequences of its task, and the rank correlations (cached in difficulty.json). A routed
+    run's levels also hold `accuracy_every_token`: its accuracy with every token run through every
+    sublayer (`every_token_runs`), what it learned apart from what its routing uses."""
     cached = run / "difficulty.json"
-    if cached.is_file():
-        return json.loads(cached.read_text())
+    result = json.loads(cached.read_text()) if cached.is_file() else None
+    config = run / "version_0" / "config.yaml"
+    routed = ((yaml.safe_load(config.read_text()) or {}).get("model", {}).get("arch", {})
+              .get("router", "none") != "none")
+    if result is not None and (not routed or "accuracy_every_token" in result["levels"][0]):
+        return result
     from nag_lightning.tasks.evaluation import evaluate_checkpoint, spearman, task_sequences
 
-    task, options, seq_len = task_settings(run / "version_0" / "config.yaml")
-    report = evaluate_checkpoint(str(run / "version_0" / "checkpoints" / "last.ckpt"),
-                                 task_sequences(task, options, sequences, seq_len + 1, seed),
-                                 trust_checkpoint=trust_checkpoint)
-    result = {"levels": report.rows,
-              **{f"spearman_{measure}": spearman(report.tokens, measure) for measure in COMPUTE}}
+    task, options, seq_len = task_settings(config)
+    ckpt = str(run / "version_0" / "checkpoints" / "last.ckpt")
+
+    def evaluated(every_token: bool):
+        return evaluate_checkpoint(ckpt, task_sequences(task, options, sequences, seq_len + 1, seed),
+                                   trust_checkpoint=trust_checkpoint, every_token=every_token)
+
+    if result is None:
+        report = evaluated(False)
+        result = {"levels": report.rows,
+                  **{f"spearman_{measure}": spearman(report.tokens, measure) for measure in COMPUTE}}
+    if routed:
+        full = {row["name"]: row["accuracy"] for row in evaluated(True).rows}
+        for row in result["levels"]:
+            row["accuracy_every_token"] = full.get(row["name"])
     cached.write_text(json.dumps(result))
     return result
 

@@ -134,3 +134,26 @@ def test_under_a_flop_budget_the_ramp_follows_the_budget_and_costs_what_ran():
     assert sum(spent[:full - 1]) < budget.budget / 2 <= sum(spent[:full])
     assert spent[0] == spent[full - 1] > spent[full] == spent[-1]
     assert sum(spent[:-1]) < budget.budget <= sum(spent) == accounting.training_flops
+
+
+@pytest.mark.parametrize("router, options", [
+    ("topk", {"capacity": 0.75}),
+    ("threshold", {"target_rate": 0.25}),
+    ("threshold", {"target_rate": 0.25, "predictor": "angle"}),
+])
+def test_the_routers_auxiliary_losses_train_only_their_own_predictors(router, options):
+    """The predictors read the stream detached, so their losses cannot pull the model away from the
+    language loss: the gradient of the auxiliary loss reaches no weight outside the routers'
+    predictors (with NAG's default, whose angle is unpriced)."""
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(d_model=16, n_layers=2, n_heads=2, seq_len=T, residual="nag",
+                                          router=router, router_options=options)).train()
+    idx = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):  # the threshold router regresses from its second pass on
+        aux = model(idx).aux_loss
+    if not aux.requires_grad:
+        assert aux.item() == 0.0  # the angle router has nothing to learn
+        return
+    aux.backward()
+    touched = {name for name, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert touched and all(".predictor." in name or ".probe." in name for name in touched), touched
