@@ -33,8 +33,9 @@ def skipped(router, x: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("progress, capacity",
-                         [(0.0, 1.0), (0.1, 1.0), (0.3, 0.875), (0.5, 0.75), (0.9, 0.75)])
-def test_topk_capacity_follows_the_warmup(progress, capacity):
+                         [(0.0, 1.0), (0.1, 1.0), (0.2, 0.9375), (0.25, 0.9375), (0.3, 0.875),
+                          (0.45, 0.8125), (0.5, 0.75), (0.9, 0.75)])
+def test_topk_capacity_follows_the_warmup(progress, capacity):  # in quarters of the ramp
     router = TopKRouter(16, capacity=0.75, full_depth_share=0.1, ramp_share=0.4).train()
     router.set_progress(progress)
     assert skipped(router, h()) == pytest.approx(1 - math.ceil(capacity * T) / T)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from nag_lightning.routers import ROUTERS, Route, Router
 
 EVAL_ROUTING = ("predictor", "topk")
+RAMP_STEPS = 4  # the warm-up ramps capacity in this many equal steps
 
 
 @ROUTERS.register("topk")
@@ -43,7 +44,7 @@ class TopKRouter(Router):
         full_depth_share: share of training (of its steps, or of its FLOP budget) at the start
             during which every token runs: the skip-rate warm-up (`Router.set_rate_warmup`).
         ramp_share: share of training after that over which the skip rate 1 - capacity rises
-            linearly to its target. The predictor learns the capacity training routes at.
+            to its target, in four equal steps. The predictor learns the capacity training routes at.
     """
 
     def __init__(
@@ -85,7 +86,8 @@ class TopKRouter(Router):
         logit = self.predictor(h.detach()).squeeze(-1)  # (B, T), causal: one token at a time
         capacity = self.capacity
         if self.training:  # the warm-up's share of the skip rate 1 - capacity (`Router.set_progress`)
-            capacity = 1.0 - (1.0 - capacity) * self.rate_scale
+            # in quarters: k is a Python number, and a compiled model keeps one graph per k
+            capacity = 1.0 - (1.0 - capacity) * math.floor(self.rate_scale * RAMP_STEPS + 1e-9) / RAMP_STEPS
         k = math.ceil(capacity * T)
         top = s.detach().topk(k, dim=1).indices.sort(dim=1).values  # (B, k) positions, in order
         in_topk = torch.zeros_like(s, dtype=torch.bool).scatter_(1, top, True)  # (B, T)
