@@ -41,6 +41,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.rotary = [rotary]  # shared with the other blocks; a list keeps it out of this module
+        self.attend_skipped = cfg.attend_skipped
 
     @staticmethod
     def weights(cfg: TransformerConfig) -> int:
@@ -93,6 +94,44 @@ class Attention(nn.Module):
         q, k, v = padded.transpose(2, 3).unbind(0)  # (B, H, K, D)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2)[b, slot].flatten(-2))  # (N, C)
+
+    def forward_every_key(self, h: Tensor, at: Tensor) -> Tensor:
+        """Queries at positions `at` (B, K) only, keys and values from every token of h (B, T, C)
+        (`attend_skipped`): each query attends causally, by position, to every token of its
+        sequence up to itself, executed or not. -> (B, K, C)"""
+        picked = h.gather(1, at[..., None].expand(-1, -1, h.shape[-1]))  # (B, K, C)
+        return self.proj(self._every_key(h, self._queries(picked, at), at))
+
+    def forward_every_key_masked(self, h: Tensor, b: Tensor, t: Tensor, executed: Tensor) -> Tensor:
+        """`forward_every_key` for the tokens `executed` (B, T) marks, at rows b and positions t
+        (N,), however many each sequence has: their queries are packed into slots; padding
+        slots query nothing (zeros, at the last position) and their outputs are dropped. -> (N, C)"""
+        slot = (executed.cumsum(1) - 1)[b, t]
+        K = int(executed.sum(1).max().clamp_min(1))
+        torch._check(K >= 1)
+        q = self._queries(h[b, t], t)  # (N, H, D)
+        queries = q.new_zeros(executed.shape[0], K, *q.shape[1:])  # (B, K, H, D)
+        queries[b, slot] = q
+        at = t.new_full((executed.shape[0], K), executed.shape[1] - 1)
+        at[b, slot] = t
+        return self.proj(self._every_key(h, queries, at)[b, slot])
+
+    def _queries(self, h: Tensor, positions: Tensor) -> Tensor:
+        """Queries alone, h (..., C) at `positions` (...) -> (..., H, D)."""
+        w_q = self.qkv.weight[: h.shape[-1]]
+        return self.rotary[0](F.linear(h, w_q).unflatten(-1, (self.n_heads, -1)), positions)
+
+    def _every_key(self, h: Tensor, q: Tensor, at: Tensor) -> Tensor:
+        """Queries q (B, K, H, D) at positions `at` (B, K) against the keys and values of every
+        token of h (B, T, C), causally by position. -> (B, K, H * D) before the output projection."""
+        C, T = h.shape[-1], h.shape[1]
+        positions = torch.arange(T, device=h.device)
+        k, v = F.linear(h, self.qkv.weight[C:]).unflatten(-1, (2, self.n_heads, -1)).unbind(-3)
+        k = self.rotary[0](k, positions)  # (B, T, H, D)
+        mask = (positions <= at[..., None]).unsqueeze(1)  # (B, 1, K, T)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask)
+        return y.transpose(1, 2).flatten(-2)
 
     def forward_cached(self, h: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
         """Every new token: h (B, T, C) at original positions (B, T), after the tokens in `cache`.

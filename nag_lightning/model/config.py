@@ -37,6 +37,10 @@ class TransformerConfig:
         route_kinds: which sublayer kinds are routed: "attn", "mlp" or both.
         route_layers: which blocks are routed: "all", "every_other" (1, 3, 5, ...), "inner" (all
             but the first and the last) or a list of block indices.
+        attend_skipped: in a routed attention sublayer, tokens that skip it still offer their key
+            and value (from their state as it is), so executed tokens can read every earlier
+            token; a skipped token then costs the key and value projections, half of attention's.
+            False: a skipped token is invisible to that sublayer (Mixture-of-Depths as published).
         init_std: standard deviation of linear weights at init; null means 1/sqrt(d_model). GPT-2's
             0.02 suits width 768; at width 64 it is 6x too small, and both residuals trained 0.3-0.55
             bits per byte worse under it (docs/results_history.md, section 0).
@@ -59,6 +63,7 @@ class TransformerConfig:
     router_options: dict = field(default_factory=dict)
     route_kinds: list[str] = field(default_factory=lambda: list(SUBLAYER_KINDS))
     route_layers: str | list[int] = "all"
+    attend_skipped: bool = False
     init_std: float | None = None
     embed_std: float = 1.0
     rope_base: float = 10000.0

@@ -71,6 +71,8 @@ class _Constants(NamedTuple):
 
     per_token: Tensor  # projections + MLP FLOPs per executed token
     attn_coeff: Tensor  # per (query, key) pair: 4·C for attention sublayers, 0 for MLPs; x K² per sequence
+    skipped_kv: Tensor  # key and value projections per skipped token (attend_skipped), else 0
+    every_key: Tensor  # 1 where executed queries attend to every token (attend_skipped), else 0
     router: Tensor  # router FLOPs per scored token
     router_backward: Tensor  # router backward FLOPs per scored token of a training pass
     params: Tensor  # sublayer weights
@@ -89,9 +91,12 @@ def _constants(
             f"router_flops needs one value per sublayer ({len(kinds)}); got {len(router_flops)}."
         )
     as_t = lambda xs: torch.tensor(xs, dtype=torch.float64, device=device)
+    every_key = [cfg.attend_skipped and k == "attn" and cfg.is_routed(i) for i, k in enumerate(kinds)]
     return _Constants(
         per_token=as_t([_per_token(cfg, k) for k in kinds]),
         attn_coeff=as_t([SUBLAYER_MODULES[k].pair_flops(cfg) for k in kinds]),
+        skipped_kv=as_t([4 * cfg.d_model ** 2 if every else 0 for every in every_key]),
+        every_key=as_t([float(every) for every in every_key]),
         router=as_t(list(router_flops)),
         router_backward=as_t(list(router_backward)),
         params=as_t([sublayer_params(cfg, k) for k in kinds]),
@@ -107,9 +112,14 @@ def _terms(c: _Constants, counts: Tensor, seq_len: int) -> dict[str, Tensor]:
     executed = counts.sum(1)  # (L,)
     K = counts.amax(1)  # (L,) the padded width attention ran at (T when dense)
     scored = float(B * seq_len)
-    projections = c.per_token * executed
-    attention = c.attn_coeff * B * K * K
-    useful = c.attn_coeff / 2 * (counts * (counts + 1)).sum(1)  # n(n+1)/2 causal pairs x 4C
+    projections = c.per_token * executed + c.skipped_kv * (scored - executed)
+    # attend_skipped: K queries per sequence against all T keys, and a query at a position p sees
+    # p + 1 keys; from counts alone the positions are unknown, so the useful pairs take the mean
+    keys = torch.where(c.every_key > 0, K.new_tensor(float(seq_len)), K)
+    attention = c.attn_coeff * B * K * keys
+    useful = c.attn_coeff / 2 * torch.where(
+        c.every_key > 0, executed * (seq_len + 1), (counts * (counts + 1)).sum(1)
+    )  # n(n+1)/2 causal pairs x 4C among executed tokens; (T+1)/2 per executed query otherwise
     router = c.router * scored
     full_depth = c.per_token * scored + c.attn_coeff * B * seq_len * seq_len
     layers = projections + attention + router

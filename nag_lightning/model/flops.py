@@ -26,7 +26,9 @@ measurement.
 Attention counts the whole block it is given, as FlopCounterMode and torch's FLOP formulas for
 the fused kernels count every `scaled_dot_product_attention` call, causal or masked. Dense
 attention runs over all T tokens: K = T. Routed attention gathers each sequence's executed tokens
-into a padded (B, K, K) block, K = the largest executed count in the batch.
+into a padded (B, K, K) block, K = the largest executed count in the batch; under `attend_skipped`
+the K queries meet every token's key, a (B, K, T) block, and each skipped token's key and value
+projections (4·C²) are counted.
 (A causal kernel may skip the masked half in practice.) The causal, unpadded work, n·(n+1)/2
 query-key pairs for a sequence of n executed tokens, is reported beside it as `attention_useful`,
 for who wants the algorithmic count.

@@ -3,7 +3,8 @@
 A token that skips an attention sublayer writes no key or value there (DESIGN section 4), so each
 attention sublayer keeps its own cache, holding only the tokens that executed it: a model that
 skips a quarter of its attention executions holds a quarter fewer entries, and a skipped token
-costs that sublayer nothing. Plain torch; `nag_lightning.model.inference` drives it.
+costs that sublayer nothing. Under `attend_skipped` every real token enters every cache. Plain
+torch; `nag_lightning.model.inference` drives it.
 
     KVCache      one attention sublayer: per sequence, the keys and values of its executed tokens,
                  packed in position order into slots 0, 1, ... (keys after rotary embedding)

@@ -113,15 +113,21 @@ class Sublayer(nn.Module):
         `route.positions`, (B, K)) they are gathered with static shapes; otherwise by the mask."""
         executed = route.executed
         at = route.positions
+        every_key = self.kind == "attn" and self.compute.attend_skipped  # skipped tokens offer k, v
         if at is not None:
             picked = _take(h, at)  # (B, K, C)
-            f = self.compute(picked, at) if self.kind == "attn" else self.compute(picked)
+            if every_key:
+                f = self.compute.forward_every_key(h, at)
+            else:
+                f = self.compute(picked, at) if self.kind == "attn" else self.compute(picked)
             f = h.new_zeros(h.shape, dtype=f.dtype).scatter(1, _index(h, at), f)
             self.executed_per_seq = torch.full(h.shape[:1], at.shape[1], device=h.device)
         else:
             b, t = executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
             picked = h[b, t]  # (N, C)
-            if self.kind == "attn":
+            if every_key:
+                f = self.compute.forward_every_key_masked(h, b, t, executed)
+            elif self.kind == "attn":
                 f = self.compute.forward_routed(picked, b, t, executed)
             else:
                 f = self.compute(picked)
@@ -138,7 +144,9 @@ class Sublayer(nn.Module):
     ) -> State:
         """New tokens of generation: the executed ones run the sublayer, attention through the KV
         cache; their state rows are gathered, written and put back, and no write runs where no
-        token executes (a step of generation is often one token)."""
+        token executes (a step of generation is often one token). Under `attend_skipped` every
+        real token's key and value enter the cache (their queries run too; the outputs of skipped
+        tokens are dropped)."""
         executed = cached.executes(route.executed)
         if executed is None:
             if self.kind == "attn":
@@ -146,12 +154,22 @@ class Sublayer(nn.Module):
             else:
                 f = self.compute(h)
             return strategy.write(state, f, route.gate, self.index, False)[0]
+        every_key = self.kind == "attn" and self.compute.attend_skipped
+        if every_key:  # every real token writes its key and value; the executed ones keep their output
+            real = torch.ones_like(executed) if cached.valid is None else cached.valid
+            rb, rt = real.nonzero(as_tuple=True)
+            f_real = self.compute.forward_cached_routed(
+                h[rb, rt], rb, rt, real, cached.positions[rb, rt], cached.caches[self.index]
+            )
+            f_every = h.new_zeros(h.shape, dtype=f_real.dtype).index_put((rb, rt), f_real)
         b, t = executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
         if b.numel() == 0:
             return state
         picked = tuple(lane[b, t] for lane in state)
         picked_h = h[b, t]  # (N, C)
-        if self.kind == "attn":
+        if every_key:
+            f = f_every[b, t]
+        elif self.kind == "attn":
             f = self.compute.forward_cached_routed(
                 picked_h, b, t, executed, cached.positions[b, t], cached.caches[self.index]
             )
