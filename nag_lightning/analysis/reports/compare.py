@@ -136,6 +136,26 @@ def _interp(x: float, points: list[tuple[int, float]]) -> float:
     return last + per_step * (x - last_step)  # past the last logged total: extrapolate its rate
 
 
+def router_setting(arch: dict) -> str:
+    """The router column: the router, its options, and where it routes when that is not every
+    sublayer (two runs of one router that route different sublayers are different settings)."""
+    router = str(arch.get("router", "?"))
+    options = arch.get("router_options") or {}
+    if options:
+        router += " " + ", ".join(f"{k}={v}" for k, v in options.items())
+    if router.startswith("none"):
+        return router
+    where = []
+    kinds = arch.get("route_kinds")
+    if kinds is not None and sorted(kinds) != ["attn", "mlp"]:
+        where.append("routes " + "+".join(kinds))
+    if arch.get("route_layers", "all") != "all":
+        where.append(f"layers {arch['route_layers']}")
+    if arch.get("attend_skipped"):
+        where.append("skipped tokens attendable")
+    return "; ".join([router, *where])
+
+
 def summarize(run_dir: Path, label: str) -> RunSummary:
     """The table row and the curve of one run."""
     cols = metric_columns(run_dir / "metrics.csv")
@@ -154,12 +174,8 @@ def summarize(run_dir: Path, label: str) -> RunSummary:
     from nag_lightning.checkpoints.settings import saved_architecture  # torch: only once there is a run
 
     hp = saved_architecture(_hparams(run_dir))
-    router = hp.get("router", "?")
-    options = hp.get("router_options") or {}
-    if options:
-        router = f"{router} " + ", ".join(f"{k}={v}" for k, v in options.items())
     return RunSummary(
-        run=label, residual=str(hp.get("residual", "?")), router=str(router),
+        run=label, residual=str(hp.get("residual", "?")), router=router_setting(hp),
         steps=last_step + 1, tokens=int(cols["flops/tokens"][-1][1]) if totals else None,
         training_flops=totals[-1][1] if totals else math.nan,
         executed_fraction=sum(fraction) / len(fraction) if fraction else math.nan,
