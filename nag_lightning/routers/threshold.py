@@ -108,6 +108,9 @@ class ThresholdRouter(Router):
             during which every token runs: the skip-rate warm-up (`Router.set_rate_warmup`).
         ramp_share: share of training after that over which the skip rate rises linearly to its
             target. Evaluation routes at the rate training has reached (tau follows it).
+        always_run_above: a floor under the tokens the predictor rates as needing the sublayer:
+            a token predicted at or above this angle (radians) runs however high the target rate
+            pushes tau, so the sublayer may skip fewer than target_rate. None: no floor.
     """
 
     needs_contribution = True
@@ -124,6 +127,7 @@ class ThresholdRouter(Router):
         predictor: str = "probe",
         full_depth_share: float = 0.0,
         ramp_share: float = 0.0,
+        always_run_above: float | None = None,
     ) -> None:
         super().__init__(d_model)
         if predictor not in PREDICTORS:
@@ -144,6 +148,12 @@ class ThresholdRouter(Router):
             raise ValueError(f"router_options.tau_gain must be positive; got {tau_gain}.")
         if warmup_steps < 0:
             raise ValueError(f"router_options.warmup_steps must be 0 or more; got {warmup_steps}.")
+        if always_run_above is not None and not always_run_above > 0:
+            raise ValueError(
+                "router_options.always_run_above is the predicted angle (radians) from which a token "
+                f"always runs and must be positive, or null for no floor; got {always_run_above}."
+            )
+        self.always_run_above = None if always_run_above is None else float(always_run_above)
         # floats: a YAML `0` or `1` arrives as an int, and int tensor maths overflows (target 0)
         self.target_rate = None if target_rate is None else float(target_rate)
         self.tau_gain = float(tau_gain)
@@ -210,7 +220,10 @@ class ThresholdRouter(Router):
         """The tau this forward pass decides with (of `values`, an update, when given)."""
         adapting = self.training and self.target_rate is not None
         values = values or {"tau": self.tau, "tau_live": self.tau_live}
-        return values["tau_live"] if adapting else values["tau"]
+        tau = values["tau_live"] if adapting else values["tau"]
+        # the floor caps the decision only: the controller keeps its own threshold, so the
+        # sublayer skips the target share again wherever the floor lets it
+        return tau if self.always_run_above is None else tau.clamp(max=self.always_run_above)
 
     def forward(self, h: Tensor, planned_angle: Tensor | None = None) -> Route:
         if self.predictor == "probe":
