@@ -23,7 +23,7 @@ from nag_lightning.analysis.studies.study import check_study_options, find_recip
 
 DEFAULT_RECIPES = [
     "prenorm", "nag", "nag_threshold20", "nag_threshold25", "nag_threshold_angle20", "nag_threshold_angle25",
-    "nag_topk20", "nag_topk25",
+    "nag_threshold_angle_mlp50", "nag_topk20", "nag_topk25",
 ]
 
 
