@@ -218,8 +218,7 @@ def plot(curves: dict[tuple[str, int], list[dict]], path: Path) -> Path:
             ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("exact-match accuracy")
     axes[1][0].set_ylabel("the level's skip rate")
-    axes[0][-1].legend(fontsize=7, title="difficulty")
-    axes[1][-1].legend(fontsize=7, title="difficulty")
+    axes[1][-1].legend(fontsize=7, title="difficulty")  # every level (the top row lacks unpredictable)
     return save(fig, path)
 
 
