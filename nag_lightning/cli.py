@@ -79,7 +79,8 @@ COMMANDS: dict[str, Command] = {
         "isoflop": "nag_lightning.analysis.studies.isoflop:isoflop_study",
         "tradeoff": "nag_lightning.analysis.studies.tradeoff:tradeoff_study",
         "tasks": "nag_lightning.analysis.studies.tasks:tasks_study",
-    }, "experiments of many runs: depth, isoflop, tradeoff, tasks"),
+        "tradeoff_tasks": "nag_lightning.analysis.studies.tradeoff_tasks:tradeoff_tasks_study",
+    }, "experiments of many runs: depth, isoflop, tradeoff, tasks, tradeoff_tasks"),
 }
 
 
@@ -109,8 +110,9 @@ def run_subcommand(command: str, args: list[str]) -> None:
     table = COMMANDS[command].run
     if args and args[0] in ("-h", "--help"):
         print(f"usage: nag-lightning {command} {{{','.join(table)}}} [options]   (each takes --help)\n")
+        width = max(10, *map(len, table))
         for name, target in table.items():
-            print(f"  {name:<10} {summary(_load(target)).splitlines()[0]}")
+            print(f"  {name:<{width}} {summary(_load(target)).splitlines()[0]}")
         return
     if not args or args[0] not in table:
         raise ValueError(

@@ -253,6 +253,9 @@ def test_sweep_can_skip_on_nags_own_angle_without_a_probe(checkpoints):
     routers = [s.router for s in module.model.sublayers]
     assert all(r.registry_name == "threshold" and r.predictor == "angle" for r in routers)
     assert not any(p.numel() for r in routers for p in r.parameters())
+    # nothing fitted, yet evaluated in eval mode: in training mode the routers would run every
+    # token for their warm-up of one forward per fit batch
+    assert not any(r.training for r in routers)
     threshold = [r for r in rows if r.method == "threshold"]
     assert threshold[0].value == 0.0 and threshold[0].mod_rate == 0 and len(threshold) >= 5
     assert max(r.mod_rate for r in threshold) > 0.2

@@ -29,6 +29,7 @@ from torchmetrics.functional import spearman_corrcoef
 from torchmetrics.utilities import dim_zero_cat
 
 from nag_lightning.model import Transformer
+from nag_lightning.model.flops import count_model
 from nag_lightning.routers import Route
 from nag_lightning.tasks import FORMAT, TASKS, UNPREDICTABLE, Labelled, build_task
 
@@ -129,10 +130,14 @@ class DifficultyScores(Metric):
 
 @dataclass
 class DifficultyReport:
-    """`rows`: `level_table` per level; `tokens`: the per-token scores of every target, flat."""
+    """`rows`: `level_table` per level; `tokens`: the per-token scores of every target, flat;
+    `mod_rate` and `flops_per_token`: the share of (token, sublayer) executions skipped and the
+    forward FLOPs per token, over every input token (`nag_lightning.model.flops.count_model`)."""
 
     rows: list[dict]
     tokens: TokenScores
+    mod_rate: float = 0.0
+    flops_per_token: float = 0.0
 
 
 @torch.no_grad()
@@ -141,12 +146,18 @@ def evaluate_by_difficulty(model: Transformer, sequences: Labelled, batch_size: 
     batches of `batch_size`, by difficulty level."""
     device = next(model.parameters()).device
     parts = []
+    n_tokens = skipped = flops = 0.0
     for start in range(0, len(sequences.tokens), batch_size):
         batch = Labelled(sequences.tokens[start:start + batch_size].to(device),
                          sequences.difficulty[start:start + batch_size].to(device))
         parts.append(score_batch(model, batch).flat())
+        count = count_model(model, batch.tokens.shape[1] - 1)  # of the forward just run
+        n_tokens += count.tokens
+        skipped += count.mod_rate * count.tokens
+        flops += count.forward
     tokens = TokenScores(*(torch.cat([getattr(p, f.name) for p in parts]).cpu() for f in fields(TokenScores)))
-    return DifficultyReport(level_table(tokens, len(model.sublayers)), tokens)
+    return DifficultyReport(level_table(tokens, len(model.sublayers)), tokens,
+                            mod_rate=skipped / n_tokens, flops_per_token=flops / n_tokens)
 
 
 @contextmanager

@@ -47,13 +47,16 @@ def saved_module(saved: SavedCheckpoint, device: str, trust_checkpoint: bool = F
 
 def checkpoint_data(module, saved: SavedCheckpoint, use_saved_files: bool = False, **overrides):
     """A `TextDataModule` with the data settings the checkpoint's run saved, `overrides` (not None)
-    on top, prepared; one sentence if its tokenizer differs from the checkpoint's.
+    on top, prepared; one sentence if its tokenizer differs from the checkpoint's. A run on a
+    synthetic task gets its task instead (`task_data`).
 
     Saved settings that name files (`saved_file_settings`) are untrusted: they are used only with
     `use_saved_files` (the user's --trust_checkpoint, or a study evaluating runs it trained), else
     refused in one sentence that shows them."""
     from nag_lightning.data import TextDataModule
 
+    if str(saved.data.get("_class_path", "")).endswith(".TaskDataModule"):
+        return task_data(module, saved, use_saved_files, **overrides)
     options = {k: v for k, v in saved.data.items() if k in DATA_OPTIONS}
     options.update({k: v for k, v in overrides.items() if v is not None})
     named = saved_file_settings(saved.data, overrides)
@@ -77,6 +80,30 @@ def checkpoint_data(module, saved: SavedCheckpoint, use_saved_files: bool = Fals
     return data
 
 
+TASK_OPTIONS = ("task", "task_options", "batch_size", "seed", "val_sequences", "epoch_batches", "file")
+"""The settings of a `TaskDataModule` a checkpoint's run is evaluated with again."""
+
+
+def task_data(module, saved: SavedCheckpoint, use_saved_files: bool = False, **overrides):
+    """The `TaskDataModule` of a run on a synthetic task, with the settings it saved: its training
+    stream and validation sequences as it saw them. Without this the run's saved settings, none of
+    them a text option, would give the default `TextDataModule`, whose text the model never saw.
+    Only `batch_size` may be overridden; a JSONL `file` is read only with `use_saved_files`."""
+    from nag_lightning.tasks.datamodule import TaskDataModule
+
+    options = {k: v for k, v in saved.data.items() if k in TASK_OPTIONS}
+    text = [f"--{k}" for k, v in overrides.items() if v is not None and k != "batch_size"]
+    if text:
+        raise ValueError(f"The checkpoint {saved.source} was trained on the task {options.get('task')!r}, "
+                         f"which is evaluated on its own sequences: drop {', '.join(text)}, which name text.")
+    if options.get("file") is not None and not use_saved_files:
+        raise ValueError(f"The checkpoint {saved.source} names the task file {options['file']!r} to read, "
+                         "and a checkpoint may come from anyone; pass --trust_checkpoint if it is yours.")
+    if overrides.get("batch_size") is not None:
+        options["batch_size"] = overrides["batch_size"]
+    return TaskDataModule(seq_len=module.config.seq_len, **options)
+
+
 def saved_file_settings(saved: dict, overrides: dict) -> dict:
     """The saved data settings that name files other than the defaults' and that `overrides` do
     not replace: the corpus (`source`), the folder written (`cache_dir`), a tokenizer.json path."""
@@ -96,10 +123,11 @@ def saved_file_settings(saved: dict, overrides: dict) -> dict:
 
 
 def first_batches(loader: Iterable, n: int) -> list[Tensor]:
-    """The first `n` batches of `loader` (fewer if it has fewer), as token ids."""
+    """The first `n` batches of `loader` (fewer if it has fewer), as token ids (of a task's
+    `Labelled` validation batches, the tokens)."""
     out = []
     for batch in loader:
-        out.append(batch.long())
+        out.append(getattr(batch, "tokens", batch).long())
         if len(out) == n:
             break
     if not out:

@@ -20,7 +20,8 @@ reference, not a bound.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -90,6 +91,41 @@ def run_sweep(
     capacity, else the router's defaults (`Sweepable.default_sweep_values`). `router_options` go to
     the routers attached to a model trained without one."""
     model: Transformer = module.model
+    routers, adapter = sweep_routers(model, fit_batches, route_kinds, fit_lr, router_options)
+    setting = adapter.setting
+    swept = plugin_name(type(routers[0]))
+    seq_len = val_batches[0].shape[1] - 1
+    dense_flops = full_depth_forward_flops(model.cfg, seq_len) / seq_len
+    rows: list[SweepRow] = []
+
+    def add(method: str, value: float) -> None:
+        result = evaluate(model, val_batches, token_bytes=module.token_bytes)
+        rows.append(SweepRow(
+            method=method, setting=setting, value=value, mod_rate=result["mod_rate"],
+            flops_per_token=result["flops_per_token"],
+            executed_fraction=result["flops_per_token"] / dense_flops,
+            val_loss=result["val_loss"], bpb=result["bpb"],
+            predictor_agreement=result["predictor_agreement"], val_batches=len(val_batches),
+        ))
+
+    if adapter.baseline is not None:
+        add(adapter.baseline, float(getattr(routers[0], setting)))
+    for value in sweep_values(model, routers, adapter, val_batches[0], values, taus, capacities):
+        with routing_at(adapter, routers, value):
+            add(swept, value)
+        if oracle and adapter.setting_is_angle:
+            with oracle_of(model, value):
+                add(ORACLE, value)
+    return rows
+
+
+def sweep_routers(model: Transformer, fit_batches: list[Tensor] | None, route_kinds: list[str] | None = None,
+                  fit_lr: float = 1e-2, router_options: dict | None = None
+                  ) -> tuple[list[Router], RouterSweep]:
+    """The routers a sweep varies and how (`sweepable`): the model's own as trained, or, for a
+    model trained without routing, the routers attached in their place (`probes`), their probes (if
+    any) fitted on `fit_batches` with the model frozen. The model is left frozen and in eval mode,
+    the attached routers included."""
     model.requires_grad_(False).eval()
     routers = routed_routers(model)
     if routers and router_options:
@@ -107,38 +143,31 @@ def run_sweep(
         if any(p.numel() for r in attached for p in r.parameters()):  # predictor: angle learns nothing
             fit_probes(model, attached, fit_batches, fit_lr)
         routers = routed_routers(model)
-    kind = type(routers[0])
-    adapter = sweepable(kind)
-    setting = adapter.setting
-    swept = plugin_name(kind)
-    seq_len = val_batches[0].shape[1] - 1
-    dense_flops = full_depth_forward_flops(model.cfg, seq_len) / seq_len
-    rows: list[SweepRow] = []
+    # A new router is built in training mode, where it runs every token for its warm-up (the fit
+    # batches) and keeps adapting: left so when no probe is fitted, the first settings evaluated
+    # would skip nothing, or less than their tau asks.
+    model.requires_grad_(False).eval()
+    return routers, sweepable(type(routers[0]))
 
-    def add(method: str, value: float) -> None:
-        result = evaluate(model, val_batches, token_bytes=module.token_bytes)
-        rows.append(SweepRow(
-            method=method, setting=setting, value=value, mod_rate=result["mod_rate"],
-            flops_per_token=result["flops_per_token"],
-            executed_fraction=result["flops_per_token"] / dense_flops,
-            val_loss=result["val_loss"], bpb=result["bpb"],
-            predictor_agreement=result["predictor_agreement"], val_batches=len(val_batches),
-        ))
 
-    if adapter.baseline is not None:
-        add(adapter.baseline, float(getattr(routers[0], setting)))
-    chosen = values if values is not None else {"tau": taus, "capacity": capacities}.get(setting)
+def sweep_values(model: Transformer, routers: list[Router], adapter: RouterSweep, batch: Tensor,
+                 values: list[float] | None = None, taus: list[float] | None = None,
+                 capacities: list[float] | None = None) -> list[float]:
+    """The values of the routers' setting to sweep: `values`, else `taus` or `capacities` for a
+    setting of that name, else the router's defaults, read from the routers' inputs on `batch`."""
+    chosen = values if values is not None else {"tau": taus, "capacity": capacities}.get(adapter.setting)
     if chosen is None:
-        chosen = adapter.default_values(routers, read_inputs(model, routers, val_batches[0]))
-    for value in chosen:
-        with ExitStack() as stack:
-            for router in routers:
-                stack.enter_context(adapter.sweeping(router, value))
-            add(swept, value)
-        if oracle and adapter.setting_is_angle:
-            with oracle_of(model, value):
-                add(ORACLE, value)
-    return rows
+        chosen = adapter.default_values(routers, read_inputs(model, routers, batch))
+    return list(chosen)
+
+
+@contextmanager
+def routing_at(adapter: RouterSweep, routers: list[Router], value: float) -> Iterator[None]:
+    """Within: every one of `routers` routes with its swept setting at `value`."""
+    with ExitStack() as stack:
+        for router in routers:
+            stack.enter_context(adapter.sweeping(router, value))
+        yield
 
 
 def sweepable(kind: type[Router]) -> RouterSweep:
