@@ -97,9 +97,10 @@ def sweep_run(run: Path, eval_sequences: int, eval_seed: int, fit_batches: int, 
         rows.extend({**point, **{key: level[key] for key in LEVEL_KEYS}} for level in report.rows)
 
     add(FULL, None)
-    # the probes learn from the run's own training stream, as `sweep` fits them; a study trained
-    # the run, so its saved data settings are used as they are
-    fit = first_batches(checkpoint_data(module, saved, use_saved_files=True).train_dataloader(), fit_batches)
+    # the probes learn from the run's own training stream, as `sweep` fits them; a task file the
+    # run names is read only when the user trusts the runs' folder (the folder may be anyone's)
+    data = checkpoint_data(module, saved, use_saved_files=trust_checkpoint)
+    fit = first_batches(data.train_dataloader(), fit_batches)
     torch.manual_seed(0)  # the probes' initialisation: `sweep`'s default seed
     routers, adapter = sweep_routers(model, fit, None, fit_lr, router_options)
     for tau in sweep_values(model, routers, adapter, fit[0]):
