@@ -106,13 +106,17 @@ def test_the_table_groups_tokens_by_level():
         angle=torch.tensor([[1.0, 0.5, 1.5, 2.0, 3.0, 4.0]]),
         planned=torch.full((1, 6), float("nan")),
         executed=torch.tensor([[4.0, 4.0, 2.0, 4.0, 4.0, 1.0]]),
+        executed_attn=torch.tensor([[2.0, 2.0, 2.0, 2.0, 2.0, 1.0]]),
+        executed_mlp=torch.tensor([[2.0, 2.0, 0.0, 2.0, 2.0, 0.0]]),
     )
     rows = {row["name"]: row for row in level_table(scores, n_sublayers=4)}
     assert list(rows) == ["unpredictable", "format", "k2"]
     assert rows["unpredictable"]["accuracy"] is None and rows["unpredictable"]["loss"] == 5.0
     assert rows["format"] == pytest.approx({"level": FORMAT, "name": "format", "count": 2, "accuracy": 0.5,
                                             "loss": 2.0, "angle": 1.0, "planned_angle": math.nan,
-                                            "executed": 3.0, "skip_rate": 0.25}, nan_ok=True)
+                                            "executed": 3.0, "skip_rate": 0.25, "skip_rate_attn": 0.0,
+                                            "skip_rate_mlp": 0.5}, nan_ok=True)
+    assert rows["k2"]["skip_rate_attn"] == pytest.approx(1 / 6) and rows["k2"]["skip_rate_mlp"] == pytest.approx(1 / 3)
     assert rows["k2"]["accuracy"] == pytest.approx(1 / 3) and rows["k2"]["angle"] == pytest.approx(3.0)
     metric = DifficultyScores()
     metric.update(scores)
@@ -125,7 +129,8 @@ def test_spearman_ranks_compute_against_difficulty_over_the_answers():
     difficulty = torch.tensor([UNPREDICTABLE, FORMAT, 1, 2, 3, 4])
     tokens = TokenScores(difficulty, difficulty > 0, difficulty.float(),
                          angle=torch.tensor([9.0, 9.0, 0.1, 0.2, 0.3, 0.4]),
-                         planned=torch.tensor([0.0, 0.0, 4.0, 3.0, 2.0, 1.0]), executed=torch.ones(6))
+                         planned=torch.tensor([0.0, 0.0, 4.0, 3.0, 2.0, 1.0]), executed=torch.ones(6),
+                         executed_attn=torch.ones(6), executed_mlp=torch.zeros(6))
     assert spearman(tokens, "angle") == pytest.approx(1.0)
     assert spearman(tokens, "planned") == pytest.approx(-1.0)
     assert spearman(tokens, "angle", answers_only=False) < 1.0  # the format token has the most angle

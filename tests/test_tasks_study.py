@@ -75,9 +75,10 @@ def test_each_router_setting_is_its_own_run_and_its_skips_are_counted(tmp_path, 
     unrouted run stops at those steps, the routed one, cheaper per step, trains longer."""
     monkeypatch.chdir(tmp_path)
     topk = ["--model.arch.router=topk", "--model.arch.router_options={capacity: 0.5}"]
-    rows = tasks_study(recipe=DEBUG, out="study", depths=[2], seeds=[1], residuals=["nag"],
-                       routers={"none": [], "topk50": topk}, eval_sequences=4, iso_flop=True,
-                       extra=["--trainer.max_steps=2", "--trainer.val_check_interval=1"])
+    options = dict(recipe=DEBUG, out="study", depths=[2], seeds=[1], residuals=["nag"],
+                   routers={"none": [], "topk50": topk}, eval_sequences=4, iso_flop=True,
+                   extra=["--trainer.max_steps=2", "--trainer.val_check_interval=1"])
+    rows = tasks_study(**options)
     assert {r["router"] for r in rows} == {"none", "topk50"}
     config = tmp_path / "study" / "nag-L2-s1-topk50" / "version_0" / "config.yaml"
     assert "router: topk" in config.read_text()
@@ -91,6 +92,16 @@ def test_each_router_setting_is_its_own_run_and_its_skips_are_counted(tmp_path, 
     assert all((r["router"] == "topk50") == ("accuracy_every_token" in r) for r in rows)
     assert all(0 <= r["accuracy_every_token"] <= 1 for r in rows if r.get("accuracy_every_token") is not None)
     assert "| nag | topk50 | 2 |" in (tmp_path / "study" / "tasks.md").read_text()
+    # skip rates per sublayer kind; a routed result cached without them is scored again
+    cached_path = tmp_path / "study" / "nag-L2-s1-topk50" / "difficulty.json"
+    cached = json.loads(cached_path.read_text())
+    assert all(0 <= row["skip_rate_attn"] <= 1 and 0 <= row["skip_rate_mlp"] <= 1 for row in cached["levels"])
+    for row in cached["levels"]:
+        del row["skip_rate_attn"], row["skip_rate_mlp"]
+    cached_path.write_text(json.dumps(cached))
+    monkeypatch.setattr(study, "subprocess", None)  # nothing is trained again
+    again = tasks_study(**options)
+    assert all("skip_rate_attn" in r for r in again if r["router"] == "topk50")
 
 
 def test_steps_to_reach_and_recipe_settings(tmp_path):

@@ -66,7 +66,7 @@ def current_layout(saved: Mapping[str, Any]) -> dict[str, Any]:
             arch[kind] = spec["class_path"]
             arch[f"{kind}_options"] = {**dict(spec.get("init_args") or {}),
                                        **dict(arch.get(f"{kind}_options") or {})}
-    for key in ("residual_options", "router_options", "route_kinds"):
+    for key in ("residual_options", "router_options", "router_options_by_kind", "route_kinds"):
         if key in arch and arch[key] is None:
             del arch[key]
     if arch:

@@ -10,8 +10,8 @@ from nag_lightning.model.limits import check_size
 SUBLAYER_KINDS = ("attn", "mlp")  # the sublayers of every block, in order
 
 
-RESUMABLE_CHANGES = ("seq_len", "residual_options", "router_options", "init_std", "embed_std", "rope_base",
-                     "activation_checkpointing")
+RESUMABLE_CHANGES = ("seq_len", "residual_options", "router_options", "router_options_by_kind", "init_std",
+                     "embed_std", "rope_base", "activation_checkpointing")
 """The settings a run may resume with changed: the checkpoint's weights fit either way."""
 
 
@@ -34,6 +34,10 @@ class TransformerConfig:
         router: router: "none", "topk", "threshold", another registered name, or the dotted class
             path of a router in any importable module.
         router_options: keyword options of the router (e.g. capacity, tau, target_rate).
+        router_options_by_kind: router options that differ by sublayer kind, e.g. {attn:
+            {target_rate: 0.25}, mlp: {target_rate: 0.75}} for a 50% MoD rate that skips MLPs more
+            often than attention: each kind's mapping overrides router_options in the routers of
+            that kind's sublayers. A kind named here must be routed (route_kinds).
         route_kinds: which sublayer kinds are routed: "attn", "mlp" or both.
         route_layers: which blocks are routed: "all", "every_other" (1, 3, 5, ...), "inner" (all
             but the first and the last) or a list of block indices.
@@ -61,6 +65,7 @@ class TransformerConfig:
     residual_options: dict = field(default_factory=dict)
     router: str = "none"
     router_options: dict = field(default_factory=dict)
+    router_options_by_kind: dict = field(default_factory=dict)
     route_kinds: list[str] = field(default_factory=lambda: list(SUBLAYER_KINDS))
     route_layers: str | list[int] = "all"
     attend_skipped: bool = False
@@ -109,6 +114,17 @@ class TransformerConfig:
                 f"choose from {list(SUBLAYER_KINDS)}."
             )
         self.routed_layers()  # validates route_layers
+        for kind, options in self.router_options_by_kind.items():
+            if kind not in self.route_kinds:
+                raise ValueError(
+                    f"model.arch.router_options_by_kind sets options for {kind!r} sublayers, which "
+                    f"route_kinds {self.route_kinds} does not route; route them, or drop the entry."
+                )
+            if not isinstance(options, dict):
+                raise ValueError(
+                    f"model.arch.router_options_by_kind.{kind} must be a mapping of router options "
+                    f"(e.g. {{target_rate: 0.25}}); got {options!r}."
+                )
 
     @property
     def n_sublayers(self) -> int:
@@ -140,6 +156,10 @@ class TransformerConfig:
                 f"indices in [0, {self.n_layers}); got {self.route_layers!r}."
             )
         return set(self.route_layers)
+
+    def router_options_of(self, index: int) -> dict:
+        """The router options of sublayer `index`: router_options, overridden by its kind's."""
+        return {**self.router_options, **self.router_options_by_kind.get(self.sublayer_kinds[index], {})}
 
     def is_routed(self, index: int) -> bool:
         """Whether sublayer `index` (block index // 2, attention first) gets the router."""

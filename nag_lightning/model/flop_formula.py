@@ -49,21 +49,14 @@ def head_flops_per_token(cfg: TransformerConfig) -> int:
 def router_flops_per_token(cfg: TransformerConfig, training: bool = True) -> list[int]:
     """What each sublayer's router spends per scored token in training (or evaluation), asked of
     a router built from `cfg`."""
-    is_routed = [cfg.is_routed(i) for i in range(cfg.n_sublayers)]
-    if not any(is_routed):
-        return [0] * len(is_routed)
-    router = build_router(cfg.router, cfg.d_model, **cfg.router_options).train(training)
-    per_token = router.flops_per_token()
-    return [per_token if r else 0 for r in is_routed]
+    return [build_router(cfg.router, cfg.d_model, **cfg.router_options_of(i)).train(training).flops_per_token()
+            if cfg.is_routed(i) else 0 for i in range(cfg.n_sublayers)]
 
 
 def router_backward_flops_per_token(cfg: TransformerConfig) -> list[int]:
     """What each sublayer's router spends per scored token in the backward of a training pass."""
-    is_routed = [cfg.is_routed(i) for i in range(cfg.n_sublayers)]
-    if not any(is_routed):
-        return [0] * len(is_routed)
-    per_token = build_router(cfg.router, cfg.d_model, **cfg.router_options).backward_flops_per_token()
-    return [per_token if r else 0 for r in is_routed]
+    return [build_router(cfg.router, cfg.d_model, **cfg.router_options_of(i)).backward_flops_per_token()
+            if cfg.is_routed(i) else 0 for i in range(cfg.n_sublayers)]
 
 
 class _Constants(NamedTuple):

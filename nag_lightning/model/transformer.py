@@ -70,7 +70,7 @@ class Transformer(nn.Module):
             ):
                 index = 2 * layer + offset
                 router = (
-                    build_router(cfg.router, cfg.d_model, **cfg.router_options)
+                    build_router(cfg.router, cfg.d_model, **cfg.router_options_of(index))
                     if cfg.is_routed(index)
                     else build_router("none", cfg.d_model)
                 )

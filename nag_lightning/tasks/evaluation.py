@@ -45,6 +45,8 @@ class TokenScores:
     angle: Tensor
     planned: Tensor
     executed: Tensor
+    executed_attn: Tensor  # of `executed`, the attention sublayers (a routed MLP skips apart)
+    executed_mlp: Tensor
 
     def flat(self) -> TokenScores:
         return TokenScores(*(getattr(self, f.name).flatten() for f in fields(self)))
@@ -76,12 +78,15 @@ def score_batch(model: Transformer, batch: Labelled) -> TokenScores:
         planned=(sum(p.float() for p in planned) if all(p is not None for p in planned)
                  else torch.full(targets.shape, float("nan"), device=targets.device)),
         executed=sum(s.executed.float() for s in sublayers),
+        executed_attn=sum(s.executed.float() for s in sublayers if s.kind == "attn"),
+        executed_mlp=sum(s.executed.float() for s in sublayers if s.kind == "mlp"),
     )
 
 
 def level_table(scores: TokenScores, n_sublayers: int) -> list[dict]:
     """One row per label level present: its name, token count, accuracy (None for unpredictable
-    tokens), mean loss, mean angle, planned angle and executed sublayers, and the skip rate."""
+    tokens), mean loss, mean angle, planned angle and executed sublayers, and the skip rate, over
+    every sublayer and over each kind's (`skip_rate_attn`, `skip_rate_mlp`)."""
     scores = scores.flat()
     rows = []
     for level in map(int, scores.difficulty.unique().tolist()):
@@ -95,6 +100,8 @@ def level_table(scores: TokenScores, n_sublayers: int) -> list[dict]:
             "planned_angle": scores.planned[mask].mean().item(),
             "executed": executed,
             "skip_rate": 1 - executed / n_sublayers,
+            "skip_rate_attn": 1 - scores.executed_attn[mask].mean().item() / (n_sublayers / 2),
+            "skip_rate_mlp": 1 - scores.executed_mlp[mask].mean().item() / (n_sublayers / 2),
         })
     return rows
 

@@ -145,6 +145,8 @@ def router_setting(arch: dict) -> str:
         router += " " + ", ".join(f"{k}={v}" for k, v in options.items())
     if router.startswith("none"):
         return router
+    for kind, by_kind in (arch.get("router_options_by_kind") or {}).items():
+        router += f"; {kind}: " + ", ".join(f"{k}={v}" for k, v in by_kind.items())
     where = []
     kinds = arch.get("route_kinds")
     if kinds is not None and sorted(kinds) != ["attn", "mlp"]:

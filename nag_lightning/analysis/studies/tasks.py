@@ -85,6 +85,8 @@ def evaluate_run(run: Path, sequences: int, seed: int, trust_checkpoint: bool) -
     config = run / "version_0" / "config.yaml"
     routed = ((yaml.safe_load(config.read_text()) or {}).get("model", {}).get("arch", {})
               .get("router", "none") != "none")
+    if result is not None and routed and "skip_rate_attn" not in result["levels"][0]:
+        result = None  # scored before the skip rates per sublayer kind: score again
     if result is not None and (not routed or "accuracy_every_token" in result["levels"][0]):
         return result
     from nag_lightning.tasks.evaluation import evaluate_checkpoint, spearman, task_sequences
