@@ -49,8 +49,8 @@ def head_flops_per_token(cfg: TransformerConfig) -> int:
 def router_flops_per_token(cfg: TransformerConfig, training: bool = True) -> list[int]:
     """What each sublayer's router spends per scored token in training (or evaluation), asked of
     a router built from `cfg`."""
-    return [build_router(cfg.router, cfg.d_model, **cfg.router_options_of(i)).train(training).flops_per_token()
-            if cfg.is_routed(i) else 0 for i in range(cfg.n_sublayers)]
+    return [build_router(cfg.router, cfg.d_model, **cfg.router_options_of(i)).train(training)
+            .flops_per_token() if cfg.is_routed(i) else 0 for i in range(cfg.n_sublayers)]
 
 
 def router_backward_flops_per_token(cfg: TransformerConfig) -> list[int]:
