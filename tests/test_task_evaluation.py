@@ -18,6 +18,7 @@ from nag_lightning.tasks.evaluation import (
     evaluate_by_difficulty,
     every_token_runs,
     level_table,
+    role_table,
     score_batch,
     spearman,
     task_sequences,
@@ -163,3 +164,34 @@ def test_evaluation_sequences_come_from_registered_tasks_only():
     assert not torch.equal(task_sequences("hops", {}, 2, 49, seed=0).tokens,
                            task_sequences("hops", {}, 2, 49, seed=1).tokens)
 
+
+
+def test_hops_names_each_token_by_its_job_in_the_episode():
+    task = build_task("hops", n_nodes=6, max_hops=3)
+    labelled = task.sample(3, 60, torch.Generator().manual_seed(0))
+    roles = task.roles(labelled)
+    assert torch.stack(list(roles.values())).sum(0).eq(1).all()  # every token has exactly one role
+    assert roles["answer"].equal(labelled.difficulty >= 1)
+    assert labelled.tokens[roles["'='"]].eq(ord("=")).all()
+    assert labelled.tokens[roles["';'"]].eq(ord(";")).all()
+    hops = labelled.tokens[roles["hop count"]] - ord("0")
+    assert ((hops >= 1) & (hops <= 3)).all()
+    assert labelled.difficulty[roles["table source"]].eq(FORMAT).all()
+    assert labelled.difficulty[roles["table target"] | roles["query letter"]].eq(UNPREDICTABLE).all()
+
+
+def test_the_role_table_gives_skip_rates_where_each_role_is_predicted():
+    difficulty = torch.tensor([[FORMAT, UNPREDICTABLE, FORMAT, 2]])
+    scores = TokenScores(difficulty[:, 1:], torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, 3),
+                         angle=torch.tensor([[1.0, 2.0, 3.0]]), planned=torch.zeros(1, 3),
+                         executed=torch.tensor([[4.0, 3.0, 2.0]]),
+                         executed_attn=torch.tensor([[2.0, 2.0, 2.0]]),
+                         executed_mlp=torch.tensor([[2.0, 1.0, 0.0]]))
+    roles = {"first": torch.tensor([[True, False, False, False]]),  # no target: not a row
+             "equals": torch.tensor([[False, False, True, False]]),
+             "answer": torch.tensor([[False, False, False, True]])}
+    rows = {row["name"]: row for row in role_table(scores, roles, n_sublayers=4)}
+    assert list(rows) == ["equals", "answer"]
+    assert rows["equals"] == pytest.approx({"name": "equals", "count": 1, "angle": 2.0, "skip_rate": 0.25,
+                                            "skip_rate_attn": 0.0, "skip_rate_mlp": 0.5})
+    assert rows["answer"]["skip_rate_mlp"] == 1.0

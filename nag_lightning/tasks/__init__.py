@@ -60,6 +60,13 @@ class Task:
         """One line naming the task and its settings, for logs and tables."""
         return type(self).__name__
 
+    def roles(self, labelled: Labelled) -> dict[str, Tensor] | None:
+        """What each token is in its episode, as boolean masks (batch, length) by name, for a
+        task whose labels put tokens of different jobs under one level; None where it names none.
+        A label is the difficulty of predicting a token, but the work may happen earlier: on hops
+        the chase can run where the hop count is read, a position whose target is a FORMAT '='."""
+        return None
+
 
 TASKS: Registry[Task] = Registry("task", "nag_lightning.tasks")
 

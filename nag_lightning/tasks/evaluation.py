@@ -106,6 +106,25 @@ def level_table(scores: TokenScores, n_sublayers: int) -> list[dict]:
     return rows
 
 
+def role_table(scores: TokenScores, roles: dict[str, Tensor], n_sublayers: int) -> list[dict]:
+    """One row per role of the task's targets (`Task.roles` of the sequences, (N, T + 1)): its
+    name, token count, mean angle and skip rates (all sublayers, attention, MLP) at the positions
+    that predict it."""
+    scores = scores.flat()
+    rows = []
+    for name, where in roles.items():
+        mask = where[:, 1:].flatten().to(scores.executed.device)
+        if not mask.any():
+            continue
+        rows.append({
+            "name": name, "count": int(mask.sum()), "angle": scores.angle[mask].mean().item(),
+            "skip_rate": 1 - scores.executed[mask].mean().item() / n_sublayers,
+            "skip_rate_attn": 1 - scores.executed_attn[mask].mean().item() / (n_sublayers / 2),
+            "skip_rate_mlp": 1 - scores.executed_mlp[mask].mean().item() / (n_sublayers / 2),
+        })
+    return rows
+
+
 class DifficultyScores(Metric):
     """The per-token scores of every batch (`update(TokenScores)`), gathered across ranks;
     `compute()` gives the flat names and values validation logs: `<level>/accuracy`, `/loss`,

@@ -78,3 +78,18 @@ class PointerChasing(Task):
         tokens = torch.cat([tokens, torch.full((n, pad), self.PAD)], 1)[:, :length]
         labels = torch.cat([labels, torch.full((n, pad), FORMAT)], 1)[:, :length]
         return Labelled(tokens, labels)
+
+    QUERY_ROLES = ("query letter", "hop count", "'='", "answer", "';'")
+
+    def roles(self, labelled: Labelled) -> dict[str, torch.Tensor]:
+        """Table sources and targets, the '|', the five tokens of a query, and padding, by position."""
+        n, length = labelled.tokens.shape
+        position = torch.arange(length).expand(n, -1)
+        table = 2 * self.n_nodes
+        in_query = (position - table - 1) % _QUERY
+        query = (position > table) & (labelled.tokens != self.PAD)
+        roles = {"table source": (position < table) & (position % 2 == 0),
+                 "table target": (position < table) & (position % 2 == 1), "'|'": position == table}
+        roles.update({name: query & (in_query == i) for i, name in enumerate(self.QUERY_ROLES)})
+        roles["padding"] = (position > table) & (labelled.tokens == self.PAD)
+        return roles

@@ -86,22 +86,27 @@ def evaluate_run(run: Path, sequences: int, seed: int, trust_checkpoint: bool) -
     routed = ((yaml.safe_load(config.read_text()) or {}).get("model", {}).get("arch", {})
               .get("router", "none") != "none")
     if result is not None and routed and "skip_rate_attn" not in result["levels"][0]:
-        result = None  # scored before the skip rates per sublayer kind: score again
+        result = None  # scored before the skip rates per sublayer kind and role: score again
     if result is not None and (not routed or "accuracy_every_token" in result["levels"][0]):
         return result
-    from nag_lightning.tasks.evaluation import evaluate_checkpoint, spearman, task_sequences
+    from nag_lightning.tasks import build_task
+    from nag_lightning.tasks.evaluation import evaluate_checkpoint, role_table, spearman, task_sequences
 
     task, options, seq_len = task_settings(config)
     ckpt = str(run / "version_0" / "checkpoints" / "last.ckpt")
+    labelled = task_sequences(task, options, sequences, seq_len + 1, seed)
 
     def evaluated(every_token: bool):
-        return evaluate_checkpoint(ckpt, task_sequences(task, options, sequences, seq_len + 1, seed),
-                                   trust_checkpoint=trust_checkpoint, every_token=every_token)
+        return evaluate_checkpoint(ckpt, labelled, trust_checkpoint=trust_checkpoint, every_token=every_token)
 
     if result is None:
         report = evaluated(False)
         result = {"levels": report.rows,
                   **{f"spearman_{measure}": spearman(report.tokens, measure) for measure in COMPUTE}}
+        roles = build_task(task, **options).roles(labelled)
+        if roles:  # skip rates by what a token is in its episode: where the work of an answer runs
+            n_sublayers = 2 * int(yaml.safe_load(config.read_text())["model"]["arch"]["n_layers"])
+            result["roles"] = role_table(report.tokens, roles, n_sublayers)
     if routed:
         full = {row["name"]: row["accuracy"] for row in evaluated(True).rows}
         for row in result["levels"]:
