@@ -63,7 +63,8 @@ class ResidualStrategy(nn.Module):
     def planned_angle(self, state: State, index: int) -> Tensor | None:
         """The angle (...) in radians by which `write` will turn each token at gate 1, when the
         strategy knows it before sublayer `index` runs (then a router may skip on it, without a
-        predictor), detached; None (the default) when only the write tells."""
+        predictor), with its gradient to the gate (a router may price it; decisions detach it);
+        None (the default) when only the write tells."""
         return None
 
     @property

@@ -300,7 +300,7 @@ class NAGResidual(ResidualStrategy):
         a gate that reads the update."""
         if not self.plans_angle:
             return None
-        return self.gate_angle(state[0], index).detach()
+        return self.gate_angle(state[0], index)
 
     def _given_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
         """The gated write with its angle computed here: from the update too (gate_reads

@@ -78,7 +78,7 @@ class NAGPlanes(NAGResidual):
         return self.theta_max * torch.sigmoid(logits + self.gate_b[index].float())
 
     def planned_angle(self, state: State, index: int) -> Tensor | None:
-        return self._total(self.gate_angle(state[0], index)).detach()
+        return self._total(self.gate_angle(state[0], index))
 
     @staticmethod
     def _total(angles: Tensor) -> Tensor:

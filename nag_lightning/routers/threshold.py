@@ -61,10 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nag_lightning.routers import ROUTERS, Route, Router
-
-SPLIT_BAND = 0.02
-"""How far (a share of the batch's tokens) a batch's evaluation threshold may split from the target
-share to sit in a gap between predictions rather than inside a cluster of them."""
+from nag_lightning.routers.quantile import SPLIT_BAND, split_threshold
 
 PREDICTORS = ("probe", "angle")
 """Where theta_hat comes from: a probe on the read input, or the residual strategy's own angle."""
@@ -111,6 +108,11 @@ class ThresholdRouter(Router):
         always_run_above: a floor under the tokens the predictor rates as needing the sublayer:
             a token predicted at or above this angle (radians) runs however high the target rate
             pushes tau, so the sublayer may skip fewer than target_rate. None: no floor.
+        angle_cost: with the angle predictor, a price on the planned angle in training: angle_cost
+            times its mean over the tokens (radians), times the warm-up's share of the skip rate,
+            joins the loss, so the gate turns a token, and keeps it from skipping, only where the
+            language loss pays for the turn. 0: unpriced; the residual's own angle_cost prices
+            every sublayer's angle, this one the routed sublayers' only.
     """
 
     needs_contribution = True
@@ -128,6 +130,7 @@ class ThresholdRouter(Router):
         full_depth_share: float = 0.0,
         ramp_share: float = 0.0,
         always_run_above: float | None = None,
+        angle_cost: float = 0.0,
     ) -> None:
         super().__init__(d_model)
         if predictor not in PREDICTORS:
@@ -154,6 +157,11 @@ class ThresholdRouter(Router):
                 f"always runs and must be positive, or null for no floor; got {always_run_above}."
             )
         self.always_run_above = None if always_run_above is None else float(always_run_above)
+        if angle_cost and predictor != "angle" or not angle_cost >= 0:
+            raise ValueError("router_options.angle_cost prices the planned angle: a number >= 0, with "
+                             f"predictor: angle; got {angle_cost} with predictor {predictor!r}.")
+        self.angle_cost = float(angle_cost)
+        self._price: Tensor | None = None  # this training forward's price, for observe
         # floats: a YAML `0` or `1` arrives as an int, and int tensor maths overflows (target 0)
         self.target_rate = None if target_rate is None else float(target_rate)
         self.tau_gain = float(tau_gain)
@@ -236,6 +244,8 @@ class ThresholdRouter(Router):
             )
         else:
             theta_hat = planned_angle.detach().float()
+            if self.angle_cost and self.training and planned_angle.requires_grad:
+                self._price = self.angle_cost * self.rate_scale * planned_angle.float().mean()
         self._theta_hat = theta_hat
         self.last_prediction = theta_hat.detach()
         if self.training and (self._steps() < self.warmup_steps or self._full_depth_now):
@@ -249,6 +259,7 @@ class ThresholdRouter(Router):
         executed = route.executed
         learns = self.predictor == "probe"
         self.aux_loss = h.new_zeros((), dtype=torch.float)
+        price, self._price = self._price, None
         if not self.training or theta_hat is None or (learns and contribution is None):
             self._record(theta_hat, contribution, executed, None, self.threshold())
             return
@@ -267,6 +278,9 @@ class ThresholdRouter(Router):
         self._pending = update
         loss = self.aux_loss if learns else None
         self._record(theta_hat, contribution, executed, loss, self.threshold(update))
+        if price is not None:
+            self.aux_loss = self.aux_loss + price
+            self._stats["angle_price"] = price.detach()
         if not self.defer_updates:
             self.apply_update()
 
@@ -326,29 +340,8 @@ class ThresholdRouter(Router):
         update["tau"] = log_tau.exp()
 
     def _batch_threshold(self, values: Tensor) -> Tensor:
-        """A threshold that skips the target share of this batch's predictions, to within
-        SPLIT_BAND of the tokens: halfway (geometric mean) across the widest gap between consecutive
-        predictions in that band. Predictions cluster (tokens at theta_max, tokens in identical
-        states such as a byte that skipped every earlier sublayer, which share one value exactly),
-        and a threshold inside a cluster moves many tokens across it when the predictions drift a
-        little from one batch to the next; a threshold in a gap moves few. Where one value fills
-        the band, the nearest split between distinct values is taken. Never skips every token."""
-        v = values.sort().values.clamp_min(1e-12)  # (n,)
-        n = v.numel()
-        target = self.rate_now * n  # the warm-up's rate, target_rate once ramped
-        band = self.rate_now.clamp(max=SPLIT_BAND) * n
-        splits = torch.arange(n, device=v.device)  # the split skips the `split` smallest
-        gap = torch.zeros(n, device=v.device)
-        gap[1:] = v[1:].log() - v[:-1].log()
-        in_band = (splits - target).abs() <= band
-        # indices stay (1,) tensors read by gather, not v[index]: indexing by a 0-dim tensor
-        # reads it on the host, a graph break under torch.compile
-        widest = gap.masked_fill(~in_band, -1.0).argmax().view(1)
-        possible = (gap > 0) | (splits == 0)
-        nearest = (splits - target).abs().masked_fill(~possible, float("inf")).argmin().view(1)
-        split = torch.where(gap.gather(0, widest) > 0, widest, nearest)
-        lower, upper = v.gather(0, (split - 1).clamp_min(0)), v.gather(0, split)
-        return torch.where(split > 0, (lower * upper).sqrt(), v[:1]).squeeze(0)
+        """The threshold that skips the warm-up's rate (target_rate once ramped) of this batch."""
+        return split_threshold(values, self.rate_now, SPLIT_BAND)
 
     @torch.no_grad()
     def _record(

@@ -44,7 +44,8 @@ class OracleSublayer(Sublayer):
         self.executed_per_seq = keep.sum(1)
         if self.record:
             self.contribution, self.executed = torch.where(keep, angle, 0.0), keep
-            self.planned_angle = strategy.planned_angle(state, self.index)
+            planned = strategy.planned_angle(state, self.index)
+            self.planned_angle = None if planned is None else planned.detach()
         return self.merge(state, written, keep)
 
     def merge(self, state: State, written: State, keep: torch.Tensor) -> State:
