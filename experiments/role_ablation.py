@@ -52,7 +52,8 @@ def ablate(run: Path, kinds: list[str], n: int) -> None:
 
     def row(label: str) -> None:
         rows = {r["name"]: r for r in evaluate_by_difficulty(model, labelled, batch_size=n).rows}
-        print(f"| {run.name} | {label} | " + " | ".join(f"{100 * rows[k]['accuracy']:.1f}" for k in levels) + " |")
+        cells = " | ".join(f"{100 * rows[k]['accuracy']:.1f}" for k in levels)
+        print(f"| {run.name} | {label} | {cells} |")
 
     with every_token_runs(model):
         row("nothing")
