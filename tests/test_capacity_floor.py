@@ -9,9 +9,8 @@ import torch
 
 from nag_lightning import Transformer, TransformerConfig
 from nag_lightning.analysis.evaluation.generate import use_causal_routing
-from nag_lightning.model.inference import CachedDecoder
 from nag_lightning.routers.threshold import ThresholdRouter
-from tests.test_inference import full_routes
+from tests.test_inference import assert_cached_decoding_matches, full_routes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,9 +65,4 @@ def test_cached_generation_with_a_floor_computes_the_full_forward():
     logits, executed = full_routes(model, idx)
     mixed = [e for e in executed if not e.all() and e.any()]
     assert mixed  # the floor, not tau, decides: some tokens run, some skip
-    decoder = CachedDecoder(model, 2)
-    step = decoder.extend([idx[b, :5].tolist() for b in range(2)])
-    torch.testing.assert_close(step.logits, logits[:, 4], atol=1e-5, rtol=0)
-    for t in range(5, 24):
-        step = decoder.extend([[int(idx[b, t])] for b in range(2)])
-        torch.testing.assert_close(step.logits, logits[:, t], atol=1e-5, rtol=0)
+    assert_cached_decoding_matches(model, idx, logits)

@@ -55,6 +55,17 @@ def full_routes(model: Transformer, idx: torch.Tensor) -> tuple[torch.Tensor, li
     return logits, executed
 
 
+def assert_cached_decoding_matches(model: Transformer, idx: torch.Tensor, logits: torch.Tensor) -> None:
+    """Cached decoding of `idx` (B, T): a 5-token prompt, then one token at a time, gives the full
+    forward's `logits` at every position."""
+    decoder = CachedDecoder(model, idx.shape[0])
+    step = decoder.extend([row[:5].tolist() for row in idx])
+    torch.testing.assert_close(step.logits, logits[:, 4], atol=1e-5, rtol=0)
+    for t in range(5, idx.shape[1]):
+        step = decoder.extend([[int(row[t])] for row in idx])
+        torch.testing.assert_close(step.logits, logits[:, t], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize(("residual", "router"), PLUGINS)
 def test_cached_passes_give_the_full_forward_logits_routes_and_cache(residual, router):
     idx = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(1))

@@ -11,8 +11,7 @@ from nag_lightning.analysis.evaluation.generate import use_causal_routing
 from nag_lightning.analysis.reports.compare import router_setting
 from nag_lightning.model.flop_formula import router_flops_per_token
 from nag_lightning.model.flops import count_model
-from nag_lightning.model.inference import CachedDecoder
-from tests.test_inference import full_routes
+from tests.test_inference import assert_cached_decoding_matches, full_routes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,9 +56,4 @@ def test_cached_generation_with_rates_per_kind_computes_the_full_forward():
     use_causal_routing(model)
     logits, executed = full_routes(model.eval(), idx)
     assert all(e.all() for e in executed[0::2]) and not any(e.any() for e in executed[1::2])
-    decoder = CachedDecoder(model, 2)
-    step = decoder.extend([idx[b, :5].tolist() for b in range(2)])
-    torch.testing.assert_close(step.logits, logits[:, 4], atol=1e-5, rtol=0)
-    for t in range(5, 24):
-        step = decoder.extend([[int(idx[b, t])] for b in range(2)])
-        torch.testing.assert_close(step.logits, logits[:, t], atol=1e-5, rtol=0)
+    assert_cached_decoding_matches(model, idx, logits)
