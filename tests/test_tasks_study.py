@@ -46,8 +46,10 @@ def test_study_tasks_trains_evaluates_and_reports_every_run(tmp_path, monkeypatc
     prenorm = next(r for r in table if r["residual"] == "prenorm" and r["name"] == "k1")
     assert prenorm["planned_angle"] == "nan" and prenorm["spearman_planned"] == "nan"
     assert -1 <= float(k3["spearman_angle"]) <= 1
+    assert -1 <= float(k3["spearman_angle_predictable"]) <= 1  # over format tokens and answers too
     markdown = (out / "tasks.md").read_text()
     assert "acc format" in markdown and "acc k3" in markdown and "rho angle" in markdown
+    assert "rho angle, format and answers" in markdown
     assert markdown.count("\n| nag |") == 2 and markdown.count("\n| prenorm |") == 2
     for figure in ("tasks.png", "tasks_compute.png"):
         assert (out / figure).stat().st_size > 10_000
@@ -64,9 +66,15 @@ def test_study_tasks_trains_evaluates_and_reports_every_run(tmp_path, monkeypatc
     evaluation = json.loads((out / "nag-L1-s3" / "difficulty.json").read_text())
     next(r for r in evaluation["levels"] if r["name"] == "k2")["accuracy"] = 0.123456
     (out / "nag-L1-s3" / "difficulty.json").write_text(json.dumps(evaluation))
+    # a result cached before the correlation over format and answers is scored again, not retrained
+    older = json.loads((out / "nag-L2-s3" / "difficulty.json").read_text())
+    del older["spearman_angle_predictable"]
+    (out / "nag-L2-s3" / "difficulty.json").write_text(json.dumps(older))
     monkeypatch.setattr(study, "subprocess", None)  # nothing is trained again
     again = tasks_study(**options)
     assert any(r.get("accuracy") == 0.123456 for r in again)
+    rescored = [r for r in again if r["residual"] == "nag" and r["depth"] == 2]
+    assert all(-1 <= r["spearman_angle_predictable"] <= 1 for r in rescored)
 
 
 def test_each_router_setting_is_its_own_run_and_its_skips_are_counted(tmp_path, monkeypatch, in_process,

@@ -29,6 +29,7 @@ It writes, into `--out`:
                             skip rate) and the run's rank correlations
     tasks.md                per (residual, router, depth), mean over seeds: accuracy per level and
                             the Spearman correlation of compute with difficulty over answer tokens
+                            (and of the angle over format tokens and answers)
     tasks_history.csv       one row per run, validation step and level: the validation accuracy
     tasks_steps.md          per (residual, router, depth): the first validation step at which each
                             level reached `--reach` accuracy, mean over the seeds that reached it
@@ -57,10 +58,13 @@ from nag_lightning.analysis.studies.study import (
 )
 
 COMPUTE = ("angle", "planned", "executed")
+"""The per-token compute measures correlated with difficulty (`TokenScores` fields)."""
 ISO_FLOP_CEILING = 10
 """An iso-FLOP run's `trainer.max_steps`, in multiples of the recipe's: its FLOP budget ends it first."""
 ACCURACY = "val/difficulty/{}/accuracy"
-"""The per-token compute measures correlated with difficulty (`TokenScores` fields)."""
+PREDICTABLE = "spearman_angle_predictable"
+"""The angle's rank correlation with difficulty over format tokens and answers alike (labels >= 0):
+whether a token's turn tells the format it copies from the hops it follows."""
 
 
 def task_settings(config: Path) -> tuple[str, dict, int]:
@@ -87,6 +91,8 @@ def evaluate_run(run: Path, sequences: int, seed: int, trust_checkpoint: bool) -
               .get("router", "none") != "none")
     if result is not None and routed and "skip_rate_attn" not in result["levels"][0]:
         result = None  # scored before the skip rates per sublayer kind and role: score again
+    if result is not None and PREDICTABLE not in result:
+        result = None  # scored before the correlation over format tokens and answers: score again
     if result is not None and (not routed or "accuracy_every_token" in result["levels"][0]):
         return result
     from nag_lightning.tasks import build_task
@@ -102,7 +108,8 @@ def evaluate_run(run: Path, sequences: int, seed: int, trust_checkpoint: bool) -
     if result is None:
         report = evaluated(False)
         result = {"levels": report.rows,
-                  **{f"spearman_{measure}": spearman(report.tokens, measure) for measure in COMPUTE}}
+                  **{f"spearman_{measure}": spearman(report.tokens, measure) for measure in COMPUTE},
+                  PREDICTABLE: spearman(report.tokens, "angle", answers_only=False)}
         roles = build_task(task, **options).roles(labelled)
         if roles:  # skip rates by what a token is in its episode: where the work of an answer runs
             n_sublayers = 2 * int(yaml.safe_load(config.read_text())["model"]["arch"]["n_layers"])
@@ -226,16 +233,19 @@ def summarise(rows: list[dict], out: Path) -> list[dict]:
         for measure in COMPUTE:
             per_seed = {r["seed"]: r[f"spearman_{measure}"] for r in runs}  # one value per run
             entry[f"spearman_{measure}"] = _mean(list(per_seed.values()))
+        entry[PREDICTABLE] = _mean(list({r["seed"]: r[PREDICTABLE] for r in runs}.values()))
         summary.append(entry)
     head = ["residual", "router", "blocks", *(f"acc {n}" for n in names),
-            *(f"rho {m}" for m in COMPUTE), "seeds"]
+            *(f"rho {m}" for m in COMPUTE), "rho angle, format and answers", "seeds"]
     cells = [[e["residual"], e["router"] or "-", str(e["depth"]),
-              *(_cell(e[n]) for n in names), *(_cell(e[f"spearman_{m}"]) for m in COMPUTE), str(e["seeds"])]
+              *(_cell(e[n]) for n in names), *(_cell(e[f"spearman_{m}"]) for m in COMPUTE),
+              _cell(e[PREDICTABLE]), str(e["seeds"])]
              for e in summary]
     note = ("\nacc: exact-match accuracy per difficulty level (format tokens and answers of k steps), mean "
             "over seeds. rho: Spearman correlation between a token's compute and its difficulty over the "
             "answer tokens (labels >= 1): angle summed over sublayers, NAG's planned angle, sublayers "
-            "executed; empty where the measure is constant or absent.\n")
+            "executed; the angle's also over format tokens and answers (labels >= 0); empty where the "
+            "measure is constant or absent.\n")
     (out / "tasks.md").write_text(markdown_table(head, cells) + note)
     return summary
 
