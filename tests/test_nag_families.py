@@ -18,6 +18,7 @@ FAMILIES = {
     "gate reads the update": ("nag", {"gate_reads": "update"}),
     "gate times the tangential share": ("nag", {"gate_reads": "tangent"}),
     "learned bound": ("nag", {"learned_bound": True}),
+    "decaying bound": ("nag", {"bound_schedule": "decaying"}),
     "per-channel gain": ("nag", {"channel_scale": True}),
     "step": ("nag", {"angle": "magnitude", "bound": "rational", "theta_max": math.pi / 2}),
     "planes": ("nag_planes", {"planes": 4}),
@@ -121,6 +122,29 @@ def test_the_learned_bound_starts_at_theta_max_and_stays_below_pi():
     (u, rho), f = state_and_update(strategy)
     (_, _), theta = strategy.write((u, rho), f, None, 2)
     assert (theta <= math.pi).all() and theta.max() > strategy.theta_max
+
+
+def test_the_decaying_bound_keeps_the_flat_budget_and_turns_early_writes_more():
+    n = 16  # 8 blocks: no bound reaches pi / 2
+    flat = build_residual("nag", D, n_sublayers=n)
+    decaying = build_residual("nag", D, n_sublayers=n, bound_schedule="decaying")
+    with torch.no_grad():  # the same trained-looking gates: only the bound differs
+        for strategy in (flat, decaying):
+            strategy.gate_w.copy_(torch.randn(n, D, generator=torch.Generator().manual_seed(3)) * 0.3)
+    bounds = [decaying.bound_of(i) for i in range(n)]
+    assert bounds == sorted(bounds, reverse=True) and bounds[0] > flat.theta_max > bounds[-1]
+    assert math.isclose(sum(b * b for b in bounds), n * flat.theta_max**2, rel_tol=1e-9)
+    (u, rho), f = state_and_update(flat)
+    for index in (0, n - 1):
+        (_, _), theta_flat = flat.write((u, rho), f, None, index)
+        (_, _), theta = decaying.write((u, rho), f, None, index)
+        # the same share of a different bound, and what the router plans is what the write turns
+        torch.testing.assert_close(theta, theta_flat * bounds[index] / flat.theta_max)
+        torch.testing.assert_close(decaying.planned_angle((u, rho), index), theta)
+    with pytest.raises(ValueError, match="bound_schedule"):
+        build_residual("nag", D, n_sublayers=N, bound_schedule="decaying", learned_bound=True)
+    with pytest.raises(ValueError, match="bound_schedule must be one of"):
+        build_residual("nag", D, n_sublayers=N, bound_schedule="cosine")
 
 
 def test_the_channel_gain_at_one_is_the_default_write():

@@ -70,7 +70,7 @@ def diagnose(model, tokens: Tensor, difficulty: Tensor) -> dict:
                "angle_answer": angle[ans].mean().item(),
                "norm": sub.state_norm.float().mean().item()}
         if bound is not None and getattr(strategy, "angle", None) == "gate":
-            share = angle / bound
+            share = angle / (strategy.bound_of(i) if hasattr(strategy, "bound_of") else bound)
             row["near_zero"] = (share < 0.1).float().mean().item()
             row["near_bound"] = (share > 0.9).float().mean().item()
         for k in SURVIVE:

@@ -99,6 +99,11 @@ class NAGResidual(ResidualStrategy):
             an update along the state turns it little).
         learned_bound: the gated angle's bound is learned per sublayer, pi * sigmoid(s_l), s_l
             starting at theta_max, instead of fixed at theta_max.
+        bound_schedule: how the gated angle's bound varies with the sublayer l: "flat"
+            (theta_max everywhere) or "decaying" (theta_max * sqrt(c / (l + 1)), c = N / H_N so the
+            squared bounds sum as the flat ones do, at most pi / 2): early writes may turn more and
+            later ones less, as the l-th of equal-sized additive writes turns its stream by
+            atan(1 / sqrt(l)) in pre-norm and Peri-LN.
         channel_scale: the write turns toward c_l * f (a learned gain per channel and sublayer,
             starting at 1) instead of f: each dimension of the direction moves at its own rate,
             as nGPT's eigen learning rates (arXiv 2410.01131).
@@ -130,6 +135,7 @@ class NAGResidual(ResidualStrategy):
         gate_radial: bool | None = None,
         gate_reads: str = "state",
         learned_bound: bool = False,
+        bound_schedule: str = "flat",
         channel_scale: bool = False,
         gate_gain: float | str | None = None,
         inertia: str = "none",
@@ -155,13 +161,13 @@ class NAGResidual(ResidualStrategy):
         check_settings(theta_max=theta_max, norm_lane_readout=norm_lane_readout, bound=bound, angle=angle,
                        angle_cost=angle_cost, gate_radial=gate_radial, gate_reads=gate_reads,
                        learned_bound=learned_bound, channel_scale=channel_scale, gate_gain=gate_gain,
-                       inertia=inertia)
+                       inertia=inertia, bound_schedule=bound_schedule)
         if kernel not in BACKENDS:
             raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
         self.angle_cost = angle_cost
         self.gate_radial = gate_radial
         self.gate_reads, self.learned_bound, self.channel_scale = gate_reads, learned_bound, channel_scale
-        self.gate_gain, self.inertia = gate_gain, inertia
+        self.gate_gain, self.inertia, self.bound_schedule = gate_gain, inertia, bound_schedule
         # this training pass's sum of theta / theta_max over writes and tokens (None: nothing
         # priced yet), and its number of tokens: a routed write sees only its executed tokens, and
         # a skipped token turns by 0. A tensor, not a list: a list's length would be guarded
@@ -199,7 +205,8 @@ class NAGResidual(ResidualStrategy):
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.
     SETTINGS = ("theta_max", "norm_lane_readout", "bound", "angle", "angle_cost", "gate_radial", "gate_reads",
-                "learned_bound", "channel_scale", "gate_gain", "inertia")
+                "learned_bound", "channel_scale", "gate_gain", "inertia",
+                "bound_schedule")
     # Settings that decide which parameters exist: a checkpoint loads only into a model built with
     # its own values.
     STRUCTURE = ("angle", "gate_reads", "learned_bound", "channel_scale")
@@ -282,8 +289,14 @@ class NAGResidual(ResidualStrategy):
         return math.sqrt(self.d_model) if self.gate_gain == "sqrt_d" else float(self.gate_gain)
 
     def bound_of(self, index: int) -> float | Tensor:
-        """Sublayer `index`'s bound on the gated angle: theta_max, or its learned bound."""
-        return math.pi * torch.sigmoid(self.bound_logit[index]) if self.learned_bound else self.theta_max
+        """Sublayer `index`'s bound on the gated angle: theta_max, its learned bound, or its share
+        of the decaying schedule."""
+        if self.learned_bound:
+            return math.pi * torch.sigmoid(self.bound_logit[index])
+        if self.bound_schedule == "decaying":
+            harmonic = sum(1 / (i + 1) for i in range(self.n_sublayers))
+            return min(self.theta_max * math.sqrt(self.n_sublayers / harmonic / (index + 1)), math.pi / 2)
+        return self.theta_max
 
     @property
     def _angle_outside(self) -> bool:
@@ -334,11 +347,11 @@ class NAGResidual(ResidualStrategy):
         # With a given angle the write's gate scales only the radial update: by the angle's share
         # of the bound (gate_radial), or by the router's gate.
         u_new, rho_new, theta, angle = gated_nag_write(
-            u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max, self.gate_w[index],
+            u, f, rho, gate, self.alpha[index], self.beta[index], self.bound_of(index), self.gate_w[index],
             self.gate_b[index], self.gain, radial=self.gate_radial, backend=self.kernel,
         )  # fmt: skip
         if self.angle_cost and self.training:
-            turned = angle.sum() / self.theta_max
+            turned = angle.sum() / self.bound_of(index)
             self._turned = turned if self._turned is None else self._turned + turned
         return (u_new, rho_new), theta.detach().abs()
 

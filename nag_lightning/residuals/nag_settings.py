@@ -14,6 +14,8 @@ on the token's direction; or the turn of a renormalised addition."""
 GATE_READS = ("state", "update", "tangent")
 """What the gated angle's gate reads: the state, the state and the update, or the state, times the
 update's tangential share."""
+BOUND_SCHEDULES = ("flat", "decaying")
+"""How the gated angle's bound varies with depth: the same everywhere, or falling like 1/sqrt(l)."""
 INERTIA = ("none", "norm", "lane")
 """Whether the norm lane feeds back into the additive angle's step: not at all, as pre-norm's norm,
 or as NAG's learned lane."""
@@ -22,7 +24,7 @@ or as NAG's learned lane."""
 def check_settings(theta_max: float, norm_lane_readout: bool, bound: str, angle: str, angle_cost: float,
                    gate_radial: bool, gate_reads: str = "state", learned_bound: bool = False,
                    channel_scale: bool = False, gate_gain: float | str = "sqrt_d",
-                   inertia: str = "none") -> None:
+                   inertia: str = "none", bound_schedule: str = "flat") -> None:
     """One sentence for settings of NAG it cannot run with, given to the constructor or read from a
     checkpoint's saved state (`NAGResidual.set_extra_state`), where they may be any value."""
     if angle not in ANGLES:
@@ -55,6 +57,12 @@ def check_settings(theta_max: float, norm_lane_readout: bool, bound: str, angle:
                          f"{shorten(repr(gate_gain))}.")
     if inertia not in INERTIA:
         raise ValueError(f"inertia must be one of {INERTIA}; got {shorten(repr(inertia))}.")
+    if bound_schedule not in BOUND_SCHEDULES:
+        raise ValueError(f"bound_schedule must be one of {BOUND_SCHEDULES}; got "
+                         f"{shorten(repr(bound_schedule))}.")
+    if bound_schedule != "flat" and (angle != "gate" or learned_bound):
+        raise ValueError("bound_schedule shapes the gated angle's fixed bound; give angle: gate without "
+                         "learned_bound, or drop bound_schedule.")
     if inertia != "none" and angle != "additive":
         raise ValueError(f"inertia scales the additive angle's step by the state's norm; got "
                          f"angle={angle!r}: give angle: additive, or drop inertia.")
