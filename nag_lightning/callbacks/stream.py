@@ -62,15 +62,14 @@ def diagnose(model, tokens: Tensor, difficulty: Tensor) -> dict:
         model.record_diagnostics(False)
         model.train(training)
     fmt, ans = levels == FORMAT, levels >= 1
-    bound = getattr(strategy, "theta_max", None)
     rows = []
     for i, sub in enumerate(model.sublayers):
         angle = sub.contribution.float()
         row = {"kind": sub.kind, "angle_format": angle[fmt].mean().item(),
                "angle_answer": angle[ans].mean().item(),
                "norm": sub.state_norm.float().mean().item()}
-        if bound is not None and getattr(strategy, "angle", None) == "gate":
-            share = angle / (strategy.bound_of(i) if hasattr(strategy, "bound_of") else bound)
+        if getattr(strategy, "angle", None) == "gate" and hasattr(strategy, "bound_of"):
+            share = angle / strategy.bound_of(i)  # NAG's gated angle, against its sublayer's bound
             row["near_zero"] = (share < 0.1).float().mean().item()
             row["near_bound"] = (share > 0.9).float().mean().item()
         for k in SURVIVE:

@@ -346,12 +346,13 @@ class NAGResidual(ResidualStrategy):
     def _gated_write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int):
         # With a given angle the write's gate scales only the radial update: by the angle's share
         # of the bound (gate_radial), or by the router's gate.
+        bound = self.bound_of(index)
         u_new, rho_new, theta, angle = gated_nag_write(
-            u, f, rho, gate, self.alpha[index], self.beta[index], self.bound_of(index), self.gate_w[index],
+            u, f, rho, gate, self.alpha[index], self.beta[index], bound, self.gate_w[index],
             self.gate_b[index], self.gain, radial=self.gate_radial, backend=self.kernel,
         )  # fmt: skip
         if self.angle_cost and self.training:
-            turned = angle.sum() / self.bound_of(index)
+            turned = angle.sum() / bound
             self._turned = turned if self._turned is None else self._turned + turned
         return (u_new, rho_new), theta.detach().abs()
 
