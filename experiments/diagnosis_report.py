@@ -83,8 +83,8 @@ def accuracy_table(groups: dict[str, list[dict]]) -> str:
 
 
 def gradient_table(groups: dict[str, list[dict]], steps=(100, 500, 1000, 2000, 3000)) -> str:
-    lines = ["| run | step | grad norm per sublayer (seed-mean) | gate grad (mean over sublayers) | price / loss |",
-             "|---|---|---|---|---|"]
+    lines = ["| run | step | grad norm per sublayer (seed-mean) | gate grad (mean over sublayers) "
+             "| price / loss |", "|---|---|---|---|---|"]
     for name, runs in groups.items():
         for step in steps:
             rows = [next((g for g in r.get("gradients", []) if g["step"] == step), None) for r in runs]
@@ -114,13 +114,13 @@ def angle_table(groups: dict[str, list[dict]], steps=(500, 3000)) -> str:
             bound = mean([statistics.fmean(s.get("near_bound", 0) for s in d["sublayers"]) for d in diags])
             zero = mean([statistics.fmean(s.get("near_zero", 0) for s in d["sublayers"]) for d in diags])
             has_gate = "near_bound" in diags[0]["sublayers"][0]
-            s4f = mean([statistics.fmean(s["survive4_format"] for s in d["sublayers"] if "survive4_format" in s)
-                        for d in diags if any("survive4_format" in s for s in d["sublayers"])])
-            s4a = mean([statistics.fmean(s["survive4_answer"] for s in d["sublayers"] if "survive4_answer" in s)
-                        for d in diags if any("survive4_answer" in s for s in d["sublayers"])])
+            s4f, s4a = (mean([statistics.fmean(s[key] for s in d["sublayers"] if key in s)
+                              for d in diags if any(key in s for s in d["sublayers"])])
+                        for key in ("survive4_format", "survive4_answer"))
             right = mean([d["readout"].get("scale_right_answer") for d in diags])
             wrong = mean([d["readout"].get("scale_wrong_answer") for d in diags])
-            lines.append(f"| {name} | {step} | {' '.join(f'{v:.2f}' for v in af)} | {' '.join(f'{v:.2f}' for v in aa)} "
+            angles = f"{' '.join(f'{v:.2f}' for v in af)} | {' '.join(f'{v:.2f}' for v in aa)}"
+            lines.append(f"| {name} | {step} | {angles} "
                          f"| {fmt(bound, 2) if has_gate else '-'} / {fmt(zero, 2) if has_gate else '-'} "
                          f"| {fmt(s4f, 2)} / {fmt(s4a, 2)} | {fmt(right, 2)} / {fmt(wrong, 2)} |")
     return "\n".join(lines)
@@ -136,8 +136,8 @@ def figure(groups: dict[str, list[dict]], path: Path) -> None:
     for name, runs in groups.items():
         for ax, level in zip(axes, ("1", "2", "3", "4")):
             steps = [row["step"] for row in runs[0]["history"]]
-            acc = [statistics.fmean(r["history"][i]["acc"].get(level, 0) for r in runs if i < len(r["history"]))
-                   for i in range(len(steps))]
+            acc = [statistics.fmean(r["history"][i]["acc"].get(level, 0)
+                                    for r in runs if i < len(r["history"])) for i in range(len(steps))]
             ax.plot(steps, [100 * a for a in acc], label=name)
             ax.set_title(f"{level} hop{'s' if level != '1' else ''}: accuracy (%), mean over seeds")
             ax.set_xlabel("step")
@@ -147,7 +147,8 @@ def figure(groups: dict[str, list[dict]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs")
     parser.add_argument("--match", nargs="*", default=[], help="keep runs whose label holds one of these")
     parser.add_argument("--figure", default=None)

@@ -101,7 +101,7 @@ def test_resume_mid_epoch_gives_the_same_weights(tmp_path, cache_dir, monkeypatc
     ("extra", "message"),
     [
         (["--model.arch.residual=no-such-strategy"],
-         "Unknown residual strategy 'no-such-strategy'; registered: lns, nag, nag_planes, ngpt, periln, prenorm"),
+         "Unknown residual strategy 'no-such-strategy'; registered: .*nag, .*prenorm"),
         (["--model.arch.d_model=33"], "must be divisible by model.arch.n_heads"),
         (["--model.arch.seq_len=1"], "seq_len must be at least 2"),
         (["--data.source=/no/such/corpus.txt"], "does not exist"),

@@ -77,7 +77,7 @@ def test_depth_diagnostics_are_recorded_on_request():
         ({"route_kinds": ["attn", "ffn"]}, "sublayer kinds \\['ffn'\\] that do not exist"),
         ({"route_layers": [7]}, "route_layers must be"),
         ({"residual": "no-such-strategy"},
-         "Unknown residual strategy 'no-such-strategy'; registered: lns, nag, nag_planes, ngpt, periln, prenorm"),
+         "Unknown residual strategy 'no-such-strategy'; registered: .*nag, .*prenorm"),
         ({"router": "no-such-router"}, "Unknown router 'no-such-router'; registered: .*none"),
     ],
 )

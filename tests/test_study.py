@@ -262,7 +262,7 @@ def test_bad_study_options_are_one_sentence_before_any_run(tmp_path):
     import pytest
 
     out = tmp_path / "out"
-    with pytest.raises(ValueError, match="Unknown residual strategy 'postnorm'; registered: lns, nag"):
+    with pytest.raises(ValueError, match="Unknown residual strategy 'postnorm'; registered: .*nag"):
         depth_study(recipe=DEBUG, out=str(out), residuals=["prenorm", "postnorm"])
     with pytest.raises(ValueError, match="--residual_extra gives options for \\['lns'\\]"):
         depth_study(recipe=DEBUG, out=str(out), residuals=["nag"], residual_extra={"lns": ["--model.lr=1"]})
