@@ -211,6 +211,23 @@ def test_periln_update_has_the_rms_of_its_output_gain():
     torch.testing.assert_close(rms(x_new - x), 2.5 * gate, atol=1e-3, rtol=0)
 
 
+def test_periln_tangential_turns_the_stream_without_growing_it_radially():
+    full = build_residual("periln", D, n_sublayers=4)
+    ablated = build_residual("periln", D, n_sublayers=4, tangential=True)
+    (x,) = ablated.init_state(torch.randn(ROWS, D) * 3.0)
+    f = torch.randn(ROWS, D) + 2.0 * x  # an update with a large part along the stream
+    (x_new,), angle = ablated.write((x,), f, None, 1)
+    step = x_new - x
+    torch.testing.assert_close((step * x).sum(-1), torch.zeros(ROWS), atol=1e-3, rtol=0)  # no radial part
+    norm = lambda t: t.norm(dim=-1)  # noqa: E731
+    torch.testing.assert_close(norm(x_new) ** 2, norm(x) ** 2 + norm(step) ** 2, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(angle, torch.atan2(norm(step), norm(x)), rtol=1e-4, atol=1e-5)
+    (x_full,), _ = full.write((x,), f, None, 1)
+    assert not torch.allclose(x_full, x_new)  # the full Peri-LN write does have a radial part
+    with pytest.raises(ValueError, match="tangential must be true or false"):
+        build_residual("periln", D, n_sublayers=4, tangential="yes")
+
+
 @pytest.mark.parametrize("name", ["prenorm", "lns", "periln", "ngpt"])
 def test_contribution_is_the_angle_between_states_before_and_after(name):
     strategy = build_residual(name, D, n_sublayers=4)
