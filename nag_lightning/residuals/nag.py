@@ -29,9 +29,9 @@ writes and later ones less, as a growing stream slows them; it trained better th
 
 `angle="magnitude"`, the first formulation, takes the angle from the size of f instead:
 θ = θmax·tanh(g·α_l·|f⊥| / (√d·θmax)) (θmax = 4/N). Adam then grows |f⊥| until nearly every token
-sits on the bound (q10/q90 of θ 0.99-1.00), and θ says nothing about which tokens matter. The gate cannot be pushed to the bound by scaling the sublayer, it is known before
-the sublayer runs, and it trained better from 8 blocks on, as well at 4 (docs/results_history.md,
-sections 0 and 2).
+sits on the bound (q10/q90 of θ 0.99-1.00), and θ says nothing about which tokens matter. The gate
+cannot be pushed to the bound by scaling the sublayer, it is known before the sublayer runs, and it
+trained better from 8 blocks on, as well at 4 (docs/results_history.md, sections 0 and 2).
 """
 
 from __future__ import annotations
