@@ -108,7 +108,8 @@ def test_the_reader_completes_the_oldest_nag_state():
     assert raw["state_dict"]["model.strategy._extra_state"] == {
         "theta_max": 0.5, "norm_lane_readout": False, "bound": "tanh", "angle": "magnitude",
         "angle_cost": 0.0, "gate_radial": False, "gate_reads": "state", "learned_bound": False,
-        "channel_scale": False, "gate_gain": "sqrt_d", "inertia": "none"}
+        "channel_scale": False, "gate_gain": "sqrt_d", "inertia": "none",
+        "bound_schedule": "flat"}
     gated = {"hyper_parameters": {"arch": {"residual": "nag"}},
              "state_dict": {"model.strategy._extra_state": {"theta_max": 1.0, "angle": "gate"}}}
     upgrade_checkpoint(gated)

@@ -14,11 +14,11 @@ from nag_lightning.residuals import build_residual
 D, ROWS, N = 64, 16, 8
 
 FAMILIES = {
-    "gate (default)": ("nag", {}),
+    "gate, decaying bound (default)": ("nag", {}),
+    "gate, flat bound (the earlier default)": ("nag", {"bound_schedule": "flat"}),
     "gate reads the update": ("nag", {"gate_reads": "update"}),
     "gate times the tangential share": ("nag", {"gate_reads": "tangent"}),
     "learned bound": ("nag", {"learned_bound": True}),
-    "decaying bound": ("nag", {"bound_schedule": "decaying"}),
     "per-channel gain": ("nag", {"channel_scale": True}),
     "step": ("nag", {"angle": "magnitude", "bound": "rational", "theta_max": math.pi / 2}),
     "planes": ("nag_planes", {"planes": 4}),
@@ -126,8 +126,8 @@ def test_the_learned_bound_starts_at_theta_max_and_stays_below_pi():
 
 def test_the_decaying_bound_keeps_the_flat_budget_and_turns_early_writes_more():
     n = 16  # 8 blocks: no bound reaches pi / 2
-    flat = build_residual("nag", D, n_sublayers=n)
-    decaying = build_residual("nag", D, n_sublayers=n, bound_schedule="decaying")
+    flat = build_residual("nag", D, n_sublayers=n, bound_schedule="flat")
+    decaying = build_residual("nag", D, n_sublayers=n)  # the default
     with torch.no_grad():  # the same trained-looking gates: only the bound differs
         for strategy in (flat, decaying):
             strategy.gate_w.copy_(torch.randn(n, D, generator=torch.Generator().manual_seed(3)) * 0.3)
@@ -145,6 +145,33 @@ def test_the_decaying_bound_keeps_the_flat_budget_and_turns_early_writes_more():
         build_residual("nag", D, n_sublayers=N, bound_schedule="decaying", learned_bound=True)
     with pytest.raises(ValueError, match="bound_schedule must be one of"):
         build_residual("nag", D, n_sublayers=N, bound_schedule="cosine")
+
+
+def test_the_bound_decays_by_default_only_where_a_fixed_gated_bound_exists():
+    assert build_residual("nag", D, n_sublayers=N).bound_schedule == "decaying"
+    for name, options in (("nag", {"angle": "magnitude"}), ("nag", {"angle": "additive"}),
+                          ("nag", {"learned_bound": True}), ("nag_planes", {})):
+        assert build_residual(name, D, n_sublayers=N, **options).bound_schedule == "flat"
+
+
+def test_a_checkpoint_of_the_flat_bound_loads_flat_and_gives_its_outputs():
+    """Saved before the bound had a schedule (no bound_schedule in its settings): it trained flat."""
+    from nag_lightning.checkpoints.compat import upgrade_nag_state
+
+    config = TransformerConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, seq_len=16,
+                               residual="nag", residual_options={"bound_schedule": "flat"})
+    torch.manual_seed(0)
+    old = Transformer(config).eval()
+    with torch.no_grad():
+        old.strategy.gate_w.normal_(0.0, 0.3)
+    state = old.state_dict()
+    del state["strategy._extra_state"]["bound_schedule"]
+    upgrade_nag_state(state, {}, prefix="strategy.")
+    loaded = Transformer(TransformerConfig(**{**config.__dict__, "residual_options": {}})).eval()
+    loaded.load_state_dict(state)
+    assert loaded.strategy.bound_schedule == "flat"
+    idx = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(loaded(idx).logits, old(idx).logits)
 
 
 def test_the_channel_gain_at_one_is_the_default_write():
@@ -195,7 +222,7 @@ def test_the_gate_gain_scales_the_gates_dot_product_and_travels_in_checkpoints()
     with torch.no_grad():
         slow.gate_w.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(4))
     (u, rho), f = state_and_update(slow)
-    expected = slow.theta_max * torch.sigmoid(u @ slow.gate_w[0] + slow.gate_b[0])
+    expected = slow.bound_of(0) * torch.sigmoid(u @ slow.gate_w[0] + slow.gate_b[0])
     torch.testing.assert_close(slow.gate_angle(u, 0), expected.detach())
     (_, _), theta = slow.write((u, rho), f, None, 0)
     torch.testing.assert_close(theta, expected.detach(), atol=1e-4, rtol=0)

@@ -327,11 +327,11 @@ def test_gated_nag_angle_comes_from_the_gate_not_the_update_size():
         torch.testing.assert_close(applied, theta, atol=1e-3, rtol=0)
         thetas.append(theta)
     assert torch.equal(thetas[0], thetas[1]) and torch.equal(thetas[1], thetas[2])  # size-blind
-    assert (thetas[0] < strategy.theta_max).all()
+    assert (thetas[0] < strategy.bound_of(2)).all()
     assert thetas[0].min() < 0.7 * thetas[0].max()  # tells tokens apart
     assert strategy.gain == 1.0  # the default gate_gain: the gate learns slowly
     score = strategy.gain * (u @ strategy.gate_w[2]) + strategy.gate_b[2]
-    torch.testing.assert_close(thetas[0], strategy.theta_max * torch.sigmoid(score).detach())
+    torch.testing.assert_close(thetas[0], strategy.bound_of(2) * torch.sigmoid(score).detach())
 
 
 def test_gated_nag_gate_zero_is_identity_and_options_are_checked():
@@ -405,7 +405,7 @@ def test_angle_cost_prices_the_gated_angle_in_training_only():
     shares = []
     for index in range(strategy.n_sublayers):
         f = sublayer_outputs(state[0])["random"]
-        shares.append(strategy.gate_angle(state[0], index).mean() / strategy.theta_max)
+        shares.append(strategy.gate_angle(state[0], index).mean() / strategy.bound_of(index))
         state, _ = strategy.write(state, f, None, index)
     torch.testing.assert_close(strategy.aux_loss(), 0.5 * torch.stack(shares).mean())
     strategy.aux_loss().backward()
@@ -471,7 +471,7 @@ def test_gate_radial_scales_the_radial_update_by_the_gates_share_of_the_bound():
     (u_tied, rho_tied), theta_tied = tied.write((u, rho), f, None, 3)
     assert torch.equal(theta, theta_tied)
     torch.testing.assert_close(u_tied, u_free, atol=0, rtol=0)
-    torch.testing.assert_close(rho_tied - rho, (rho_free - rho) * theta / tied.theta_max)
+    torch.testing.assert_close(rho_tied - rho, (rho_free - rho) * theta / tied.bound_of(3))
     (u0, rho0), _ = tied.write((u, rho), f, torch.zeros(ROWS), 3)
     assert torch.equal(u0, u) and torch.equal(rho0, rho)
     assert tied.get_extra_state()["gate_radial"] is True

@@ -548,8 +548,10 @@ def test_bad_route_kinds_on_the_command_line(capsys):
 
 def gated_threshold(seq_len: int = T, **options) -> Transformer:
     """A tiny gated NAG with threshold routers that read its angle; the gates get random weights,
-    so the angle differs from token to token (at init every token turns by theta_max / 2)."""
-    model = tiny("nag", "threshold", seq_len=seq_len, router_options={"predictor": "angle", **options})
+    so the angle differs from token to token (at init every token turns by theta_max / 2). The bound
+    is flat, the same in every sublayer, so one tau splits each sublayer's tokens."""
+    model = tiny("nag", "threshold", seq_len=seq_len, router_options={"predictor": "angle", **options},
+                 residual_options={"bound_schedule": "flat"})
     with torch.no_grad():
         model.strategy.gate_w.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(3))
     return model

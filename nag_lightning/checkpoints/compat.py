@@ -39,7 +39,8 @@ NAG_PREFIX = "model.strategy."
 """Where a `LanguageModel` checkpoint keeps the residual strategy's state."""
 
 NAG_BEFORE = {"angle": "magnitude", "angle_cost": 0.0, "gate_radial": False, "gate_reads": "state",
-              "learned_bound": False, "channel_scale": False, "gate_gain": "sqrt_d", "inertia": "none"}
+              "learned_bound": False, "channel_scale": False, "gate_gain": "sqrt_d", "inertia": "none",
+              "bound_schedule": "flat"}
 """What a NAG checkpoint saved before a setting existed trained with: its absence means this."""
 
 

@@ -7,7 +7,7 @@ angle comes from a learned gate on the token's own direction, the direction of t
 the sublayer's tangential output f⊥:
 
     u ──┬─> √d·u·γ_l ─> F_l ─> f ─> a = <f,u>, f⊥ = f - a·u
-        ├─> θ = θmax·sigmoid(c·<w_l, u> + b_l)·g        (θmax = min(8/N, π/2), c = gate_gain = 1)
+        ├─> θ = θmax_l·sigmoid(c·<w_l, u> + b_l)·g       (θmax_l below, c = gate_gain = 1)
         └───────────────────────────────> u' = cos θ · u + sin θ · f⊥/|f⊥|      (|u'| = 1)
     rho ───────────────────────────────> rho' = rho + g·β_l·a/√d
 
@@ -16,22 +16,22 @@ much as an early one; θ is also the sublayer's contribution, the number routers
 update runs through `nag_kernels.nag_write`: a fused Triton kernel on CUDA, the PyTorch reference
 elsewhere.
 
-The gate learns slowly (gate_gain 1): with a gain of √d an Adam step on w_l moved the gate's logit
-by about 0.8·d·lr, and on a task where depth is the bottleneck the gates closed on the answer
-tokens during the first plateau, which multiplied the gradient reaching those sublayers by sin θ ≈ 0
-so the skill came late or never (docs/results_tasks.md, "NAG's formulation where depth matters").
-Turning may be priced (angle_cost: angle_cost·mean(θ/θmax) joins the loss, and with gate_radial
-the radial update follows the gate too): that made the angle cheaper to skip on after training on
-text, but on the task it closed the gates as well, so the default no longer prices it;
-`{gate_gain: sqrt_d, angle_cost: 0.03, gate_radial: true}` is the earlier default.
+The gate learns slowly (gate_gain 1): with a gain of √d an Adam step on w_l moved its logit by
+about 0.8·d·lr, and where depth is the bottleneck the gates closed on the answers during the first
+plateau, cutting the gradient to those sublayers by sin θ ≈ 0 (docs/results_tasks.md, the
+diagnosis). Turning may be priced (angle_cost·mean(θ/θmax) joins the loss; with gate_radial the
+radial update follows the gate): that closed the gates on the task as well, so the default does not
+price it; `{gate_gain: sqrt_d, angle_cost: 0.03, gate_radial: true}` is the earlier default. The bound
+decays with depth, θmax_l = θmax·sqrt(N / (H_N·(l+1))) with θmax = min(8/N, π/2) (at most π/2, the
+squared bounds summing as flat ones do), so that early writes turn as far as Peri-LN's first
+writes and later ones less, as a growing stream slows them; it trained better than the flat bound
+(`bound_schedule: flat`, the default before) on the task and on text.
 
 `angle="magnitude"`, the first formulation, takes the angle from the size of f instead:
 θ = θmax·tanh(g·α_l·|f⊥| / (√d·θmax)) (θmax = 4/N). Adam then grows |f⊥| until nearly every token
-sits on the bound (the q10/q90 spread of θ across tokens
-measured 0.99-1.00 at NAG's best learning rate), and θ says nothing about which tokens a sublayer
-matters for. The gate cannot be pushed to the bound by scaling the sublayer, it is known before
-the sublayer runs, and it trained better from 8 blocks on, as well at 4 (docs/results_history.md,
-sections 0 and 2).
+sits on the bound (q10/q90 of θ 0.99-1.00), and θ says nothing about which tokens matter. The gate
+cannot be pushed to the bound by scaling the sublayer, it is known before the sublayer runs, and it
+trained better from 8 blocks on, as well at 4 (docs/results_history.md, sections 0 and 2).
 """
 
 from __future__ import annotations
@@ -56,11 +56,9 @@ class NAGResidual(ResidualStrategy):
         n_sublayers: number of sublayers that read and write the stream.
         theta_max: bound on the angle one sublayer may turn a token by, in radians; None means
             min(8 / n_sublayers, pi / 2) for the gated angle, 4 / n_sublayers for the magnitude
-            angle. Rotations toward a direction shared by many tokens add up linearly
-            over depth and shrink what tells tokens apart by cos(theta) per sublayer, so the bound
-            must fall like 1/depth: with pi/2 every token collapses onto one direction within a
-            few blocks. The defaults are the best of 2/N, 4/N and 8/N measured for each angle
-            (docs/results_history.md, section 1).
+            angle. Turns toward a direction many tokens share add up over depth, so the bound
+            falls like 1/depth: with pi/2 every token collapses onto one direction within a few
+            blocks. The best of 2/N, 4/N and 8/N for each angle (docs/results_history.md, 1).
         alpha_init: initial rotation scale of every sublayer (magnitude angle only); None means
             1/sqrt(n_sublayers).
         beta_init: initial scale of the radial (log-norm) update of every sublayer.
@@ -103,7 +101,9 @@ class NAGResidual(ResidualStrategy):
             (theta_max everywhere) or "decaying" (theta_max * sqrt(c / (l + 1)), c = N / H_N so the
             squared bounds sum as the flat ones do, at most pi / 2): early writes may turn more and
             later ones less, as the l-th of equal-sized additive writes turns its stream by
-            atan(1 / sqrt(l)) in pre-norm and Peri-LN.
+            atan(1 / sqrt(l)) in pre-norm and Peri-LN. None means "decaying" for the gated angle
+            with a fixed bound ("flat" before it trained better on tasks and text), "flat"
+            otherwise, or, when a checkpoint is loaded, its own.
         channel_scale: the write turns toward c_l * f (a learned gain per channel and sublayer,
             starting at 1) instead of f: each dimension of the direction moves at its own rate,
             as nGPT's eigen learning rates (arXiv 2410.01131).
@@ -135,7 +135,7 @@ class NAGResidual(ResidualStrategy):
         gate_radial: bool | None = None,
         gate_reads: str = "state",
         learned_bound: bool = False,
-        bound_schedule: str = "flat",
+        bound_schedule: str | None = None,
         channel_scale: bool = False,
         gate_gain: float | str | None = None,
         inertia: str = "none",
@@ -146,7 +146,7 @@ class NAGResidual(ResidualStrategy):
         self._given = {"theta_max": theta_max is not None, "norm_lane_readout": norm_lane_readout is not None,
                        "bound": bound != "tanh", "angle": angle is not None,
                        "angle_cost": angle_cost is not None, "gate_radial": gate_radial is not None,
-                       "gate_gain": gate_gain is not None}
+                       "gate_gain": gate_gain is not None, "bound_schedule": bound_schedule is not None}
         angle = "gate" if angle is None else angle
         if theta_max is None and angle in ANGLES:
             # at most a right angle: in a model of one or two blocks 8/N would exceed it
@@ -158,6 +158,8 @@ class NAGResidual(ResidualStrategy):
         if gate_radial is None:
             gate_radial = self.GATE_RADIAL and angle == "gate"
         gate_gain = self.GATE_GAIN if gate_gain is None else gate_gain
+        if bound_schedule is None:  # a schedule of the gated angle's fixed bound only
+            bound_schedule = self.BOUND_SCHEDULE if angle == "gate" and not learned_bound else "flat"
         check_settings(theta_max=theta_max, norm_lane_readout=norm_lane_readout, bound=bound, angle=angle,
                        angle_cost=angle_cost, gate_radial=gate_radial, gate_reads=gate_reads,
                        learned_bound=learned_bound, channel_scale=channel_scale, gate_gain=gate_gain,
@@ -201,6 +203,7 @@ class NAGResidual(ResidualStrategy):
     ANGLE_COST = 0.0
     GATE_RADIAL = False
     GATE_GAIN: float | str = 1.0
+    BOUND_SCHEDULE = "decaying"
 
     # The resolved settings travel in the state dict, so a checkpoint loads with the settings it
     # was trained under even after a default changes.

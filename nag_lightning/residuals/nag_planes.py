@@ -56,7 +56,7 @@ class NAGPlanes(NAGResidual):
             raise ValueError(f"planes must divide d_model = {d_model}; got {planes}.")
         super().__init__(d_model, n_sublayers, theta_max=theta_max, angle_cost=angle_cost,
                          gate_radial=gate_radial, norm_lane_readout=norm_lane_readout, beta_init=beta_init,
-                         gate_bias=gate_bias, kernel=kernel)
+                         gate_bias=gate_bias, kernel=kernel, bound_schedule="flat")
         self.planes = planes
         self.gate_b = nn.Parameter(torch.full((n_sublayers, planes), float(gate_bias)))
 
