@@ -24,6 +24,8 @@ FAMILIES = {
     "planes": ("nag_planes", {"planes": 4}),
     "additive": ("nag", {"angle": "additive"}),
     "additive, learned inertia": ("nag", {"angle": "additive", "inertia": "lane", "beta_init": 0.5}),
+    "inertial (Peri-LN's turn)": ("nag_inertial", {}),
+    "inertial, tangential": ("nag_inertial", {"tangential": True}),
 }
 
 
@@ -248,3 +250,39 @@ def test_the_additive_angle_with_inertia_is_the_prenorm_stream():
     torch.testing.assert_close(lanes(idx).logits, prenorm(idx).logits, atol=2e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="inertia scales the additive angle"):
         build_residual("nag", D, n_sublayers=N, inertia="norm")
+
+
+def test_the_inertial_family_without_its_readout_is_periln():
+    """`nag_inertial` writes Peri-LN's stream in NAG's lanes: with Peri-LN's weights and no norm
+    lane at the readout it gives Peri-LN's logits; the lane at the readout is the one difference."""
+    common = dict(vocab_size=256, d_model=32, n_layers=2, n_heads=4, seq_len=16)
+    torch.manual_seed(0)
+    periln = Transformer(TransformerConfig(**common, residual="periln"))
+    with torch.no_grad():  # gains away from 1, so that each is used where Peri-LN uses it
+        for param in periln.strategy.parameters():
+            param.uniform_(0.5, 1.5)
+    lanes = Transformer(TransformerConfig(**common, residual="nag_inertial",
+                                          residual_options={"norm_lane_readout": False}))
+    lanes.load_state_dict(periln.state_dict())
+    idx = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(lanes(idx).logits, periln(idx).logits, atol=2e-4, rtol=1e-4)
+    read_out = Transformer(TransformerConfig(**common, residual="nag_inertial"))
+    read_out.load_state_dict(periln.state_dict())
+    assert not torch.allclose(read_out(idx).logits, periln(idx).logits)
+    with pytest.raises(ValueError, match="tangential must be true or false"):
+        build_residual("nag_inertial", D, n_sublayers=N, tangential="yes")
+
+
+def test_the_inertial_write_slows_a_heavy_token_and_its_tangential_form_only_turns():
+    strategy = build_residual("nag_inertial", D, n_sublayers=N)
+    (u, rho), f = state_and_update(strategy)
+    angles = [strategy.write((u, rho + shift), f, None, 0)[1] for shift in (0.0, 1.0, 2.0)]
+    assert (angles[0] > angles[1]).all() and (angles[1] > angles[2]).all()
+    along = 5.0 * u  # an update along the state turns nothing and makes the token heavier
+    (u_new, rho_new), theta = strategy.write((u, rho), along, None, 0)
+    torch.testing.assert_close(u_new, u, atol=1e-5, rtol=0)
+    assert (rho_new > rho).all() and theta.abs().max() < 1e-3
+    tangential = build_residual("nag_inertial", D, n_sublayers=N, tangential=True)
+    (u_t, rho_t), theta_t = tangential.write((u, rho), f, None, 0)
+    expected = rho - torch.log(torch.cos(theta_t))  # the norm grows only by the turn
+    torch.testing.assert_close(rho_t, expected, atol=1e-5, rtol=0)
