@@ -50,3 +50,30 @@ def test_a_price_without_the_angle_predictor_gets_one_sentence():
         ThresholdRouter(8, target_rate=0.5, angle_cost=0.1)
     with pytest.raises(ValueError, match="angle_cost prices the planned angle"):
         ThresholdRouter(8, predictor="angle", angle_cost=-1.0)
+
+
+def test_a_late_price_is_zero_before_price_start_and_ramps_to_angle_cost():
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    full = model(0.1)(idx).aux_loss.item()
+    late = model(0.1)
+    routers = [s.router for s in late.sublayers if s.kind == "mlp"]
+    for r in routers:
+        r.price_start, r.price_ramp = 0.5, 0.2
+    for progress, share in ((0.0, 0.0), (0.49, 0.0), (0.55, 0.25), (0.6, 0.5), (0.7, 1.0), (1.0, 1.0)):
+        for r in routers:
+            r.set_progress(progress)
+        assert late(idx).aux_loss.item() == pytest.approx(share * full, rel=1e-5, abs=1e-9)
+    step = ThresholdRouter(8, predictor="angle", target_rate=0.5, angle_cost=0.1, price_start=0.5)
+    step.set_progress(0.49)
+    assert step.price_scale == 0.0
+    step.set_progress(0.5)
+    assert step.price_scale == 1.0
+
+
+def test_a_price_schedule_without_a_price_or_past_the_run_gets_one_sentence():
+    with pytest.raises(ValueError, match="price_start and price_ramp schedule the router's price"):
+        ThresholdRouter(8, predictor="angle", target_rate=0.5, price_start=0.5)
+    with pytest.raises(ValueError, match="price_start \\+ price_ramp is 1.2, more than the whole run"):
+        ThresholdRouter(8, predictor="angle", target_rate=0.5, angle_cost=0.1, price_start=0.7, price_ramp=0.5)
+    with pytest.raises(ValueError, match="price_ramp is a share of training"):
+        ThresholdRouter(8, predictor="angle", target_rate=0.5, angle_cost=0.1, price_ramp=-0.1)

@@ -46,6 +46,18 @@ class Route:
     positions: Tensor | None = None
 
 
+def shares_of_training(**shares: float) -> tuple[float, ...]:
+    """The shares as floats, after checking each lies in [0, 1] and together they fit the run."""
+    for name, value in shares.items():
+        if not 0 <= value <= 1:
+            raise ValueError(f"router_options.{name} is a share of training, in [0, 1] (e.g. 0.1); "
+                             f"got {value}.")
+    if sum(shares.values()) > 1:
+        raise ValueError(f"router_options.{' + '.join(shares)} is {sum(shares.values()):g}, more than the "
+                         "whole run; lower one of them.")
+    return tuple(float(v) for v in shares.values())
+
+
 class Router(nn.Module):
     """Base class of routers; one instance per routed sublayer. It holds what the model calls; what
     `nag-lightning sweep` asks of a router lives with the sweep (`nag_lightning.analysis.sweeps.sweepable`).
@@ -84,17 +96,8 @@ class Router(nn.Module):
         the skip rate rises linearly to the router's target over the next `ramp_share`, so the
         model learns what is worth keeping before tokens skip. Shares of the run as
         `set_progress` measures it (of its steps, or of its FLOP budget when one ends it)."""
-        for name, value in (("full_depth_share", full_depth_share), ("ramp_share", ramp_share)):
-            if not 0 <= value <= 1:
-                raise ValueError(
-                    f"router_options.{name} is a share of training, in [0, 1] (e.g. 0.1); got {value}."
-                )
-        if full_depth_share + ramp_share > 1:
-            raise ValueError(
-                f"router_options.full_depth_share + ramp_share is {full_depth_share + ramp_share:g}, "
-                "more than the whole run; lower one of them."
-            )
-        self.full_depth_share, self.ramp_share = float(full_depth_share), float(ramp_share)
+        self.full_depth_share, self.ramp_share = shares_of_training(full_depth_share=full_depth_share,
+                                                                    ramp_share=ramp_share)
 
     def set_progress(self, progress: float) -> None:
         """How far training has come, 0 to 1: the LightningModule calls it before every training
@@ -187,4 +190,4 @@ def build_router(spec: str | dict, d_model: int, **options: object) -> Router:
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["ROUTERS", "NoRouter", "Route", "Router", "build_router"]
+__all__ = ["ROUTERS", "NoRouter", "Route", "Router", "build_router", "shares_of_training"]

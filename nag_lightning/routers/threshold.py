@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nag_lightning.routers import ROUTERS, Route, Router
+from nag_lightning.routers import ROUTERS, Route, Router, shares_of_training
 from nag_lightning.routers.quantile import SPLIT_BAND, split_threshold
 
 PREDICTORS = ("probe", "angle")
@@ -113,6 +113,9 @@ class ThresholdRouter(Router):
             joins the loss, so the gate turns a token, and keeps it from skipping, only where the
             language loss pays for the turn. 0: unpriced; the residual's own angle_cost prices
             every sublayer's angle, this one the routed sublayers' only.
+        price_start, price_ramp: a late price: none for the first `price_start` of training (a share,
+            as full_depth_share), then rising linearly to angle_cost over the next `price_ramp`, so
+            the model learns the skill unpriced before the price reorders which tokens skip.
     """
 
     needs_contribution = True
@@ -131,6 +134,8 @@ class ThresholdRouter(Router):
         ramp_share: float = 0.0,
         always_run_above: float | None = None,
         angle_cost: float = 0.0,
+        price_start: float = 0.0,
+        price_ramp: float = 0.0,
     ) -> None:
         super().__init__(d_model)
         if predictor not in PREDICTORS:
@@ -161,6 +166,11 @@ class ThresholdRouter(Router):
             raise ValueError("router_options.angle_cost prices the planned angle: a number >= 0, with "
                              f"predictor: angle; got {angle_cost} with predictor {predictor!r}.")
         self.angle_cost = float(angle_cost)
+        if (price_start or price_ramp) and not angle_cost:
+            raise ValueError("router_options.price_start and price_ramp schedule the router's price, and "
+                             "this router has none: set angle_cost, or leave them at 0.")
+        self.price_start, self.price_ramp = shares_of_training(price_start=price_start, price_ramp=price_ramp)
+        self.price_scale = 1.0  # the share of angle_cost charged now: see set_progress
         self._price: Tensor | None = None  # this training forward's price, for observe
         # floats: a YAML `0` or `1` arrives as an int, and int tensor maths overflows (target 0)
         self.target_rate = None if target_rate is None else float(target_rate)
@@ -205,6 +215,8 @@ class ThresholdRouter(Router):
         """The warm-up's share of the target rate (`Router.set_progress`), into `rate_now`."""
         super().set_progress(progress)
         self._full_depth_now = self.rate_scale == 0.0
+        late = progress - self.price_start  # the late price's share of angle_cost
+        self.price_scale = min(1.0, max(0.0, late / self.price_ramp)) if self.price_ramp else float(late >= 0)
         self.rate_now.fill_((self.target_rate or 0.0) * self.rate_scale)
 
     def _steps(self) -> int:
@@ -245,7 +257,8 @@ class ThresholdRouter(Router):
         else:
             theta_hat = planned_angle.detach().float()
             if self.angle_cost and self.training and planned_angle.requires_grad:
-                self._price = self.angle_cost * self.rate_scale * planned_angle.float().mean()
+                scale = self.angle_cost * self.rate_scale * self.price_scale
+                self._price = scale * planned_angle.float().mean()
         self._theta_hat = theta_hat
         self.last_prediction = theta_hat.detach()
         if self.training and (self._steps() < self.warmup_steps or self._full_depth_now):
