@@ -14,6 +14,9 @@ def test_router_column_names_options_and_where_it_routes():
         "threshold predictor=angle, target_rate=0.5; layers inner; skipped tokens attendable")
     warm = {"router": "topk", "router_options": {"capacity": 0.75, "full_depth_share": 0.25}}
     assert router_setting(warm) == "topk capacity=0.75, full_depth_share=0.25"
+    late = {"router": "threshold",
+            "router_options": {"predictor": "angle", "angle_cost": 0.08, "price_start": 0.6}}
+    assert router_setting(late) == "threshold predictor=angle, angle_cost=0.08, price_start=0.6"
 
 
 def test_unrouted_run_has_no_routing_details():

@@ -1,5 +1,5 @@
 """The threshold router's price on the planned angle (`angle_cost`): it joins the auxiliary loss of
-the routed sublayers only, ramps with the skip-rate warm-up, and needs the angle predictor."""
+the routed sublayers only, ramps with the skip-rate warm-up (or from `price_start`, a late price), and needs the angle predictor."""
 
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ def test_a_price_schedule_without_a_price_or_past_the_run_gets_one_sentence():
     with pytest.raises(ValueError, match="price_start and price_ramp schedule the router's price"):
         ThresholdRouter(8, predictor="angle", target_rate=0.5, price_start=0.5)
     with pytest.raises(ValueError, match="price_start \\+ price_ramp is 1.2, more than the whole run"):
-        ThresholdRouter(8, predictor="angle", target_rate=0.5, angle_cost=0.1, price_start=0.7, price_ramp=0.5)
+        ThresholdRouter(8, predictor="angle", target_rate=0.5, angle_cost=0.1,
+                        price_start=0.7, price_ramp=0.5)
     with pytest.raises(ValueError, match="price_ramp is a share of training"):
         ThresholdRouter(8, predictor="angle", target_rate=0.5, angle_cost=0.1, price_ramp=-0.1)
