@@ -1,5 +1,6 @@
 """The threshold router's price on the planned angle (`angle_cost`): it joins the auxiliary loss of
-the routed sublayers only, ramps with the skip-rate warm-up (or from `price_start`, a late price), and needs the angle predictor."""
+the routed sublayers only, ramps with the skip-rate warm-up (or from `price_start`, a late price),
+and needs the angle predictor."""
 
 from __future__ import annotations
 
