@@ -79,3 +79,23 @@ def test_a_price_schedule_without_a_price_or_past_the_run_gets_one_sentence():
                         price_start=0.7, price_ramp=0.5)
     with pytest.raises(ValueError, match="price_ramp is a share of training"):
         ThresholdRouter(8, predictor="angle", target_rate=0.5, angle_cost=0.1, price_ramp=-0.1)
+
+
+def test_a_late_price_leaves_evaluation_and_its_routes_unchanged():
+    """The price is a training loss only: with the same weights and thresholds, a late-priced model
+    evaluates (logits, routes, no auxiliary loss) exactly as an unpriced one, so the KV cache,
+    `generate` and the FLOP counts see the same router."""
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    late, free = model(0.1), model(0.0)
+    for r in late.sublayers:
+        r.router.price_start, r.router.price_ramp = 0.5, 0.2
+        r.router.set_progress(0.9)
+    late(idx)  # one training forward sets the thresholds
+    free.load_state_dict(late.state_dict())
+    late.eval(), free.eval()
+    late.record_diagnostics(True), free.record_diagnostics(True)
+    with torch.no_grad():
+        a, b = late(idx), free(idx)
+    assert torch.equal(a.logits, b.logits) and a.aux_loss.item() == 0.0
+    for x, y in zip(late.sublayers, free.sublayers):
+        assert (x.executed is None and y.executed is None) or torch.equal(x.executed, y.executed)
