@@ -58,6 +58,14 @@ def shares_of_training(**shares: float) -> tuple[float, ...]:
     return tuple(float(v) for v in shares.values())
 
 
+def ramped(progress: float, start: float, ramp: float) -> float:
+    """A schedule's share at `progress`: 0 before `start`, then rising linearly to 1 over `ramp`
+    (at once when `ramp` is 0); all three are shares of the run."""
+    if progress < start:
+        return 0.0
+    return 1.0 if ramp <= 0 else min(1.0, (progress - start) / ramp)
+
+
 class Router(nn.Module):
     """Base class of routers; one instance per routed sublayer. It holds what the model calls; what
     `nag-lightning sweep` asks of a router lives with the sweep (`nag_lightning.analysis.sweeps.sweepable`).
@@ -105,12 +113,7 @@ class Router(nn.Module):
         run continues where it was). It sets `rate_scale`, the share of the target skip rate the
         warm-up allows now: 0 at full depth, 1 once ramped. Outside training, and for a model
         nothing calls this on, `rate_scale` stays 1: evaluation and generation route at the target."""
-        if progress < self.full_depth_share:
-            self.rate_scale = 0.0
-        elif self.ramp_share <= 0:
-            self.rate_scale = 1.0
-        else:
-            self.rate_scale = min(1.0, (progress - self.full_depth_share) / self.ramp_share)
+        self.rate_scale = ramped(progress, self.full_depth_share, self.ramp_share)
 
     def forward(self, h: Tensor) -> Route:
         """Decide from the read input h (B, T, d) which tokens run the sublayer (a router that
@@ -190,4 +193,4 @@ def build_router(spec: str | dict, d_model: int, **options: object) -> Router:
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["ROUTERS", "NoRouter", "Route", "Router", "build_router", "shares_of_training"]
+__all__ = ["ROUTERS", "NoRouter", "Route", "Router", "build_router", "ramped", "shares_of_training"]

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nag_lightning.routers import ROUTERS, Route, Router, shares_of_training
+from nag_lightning.routers import ROUTERS, Route, Router, ramped, shares_of_training
 from nag_lightning.routers.quantile import SPLIT_BAND, split_threshold
 
 PREDICTORS = ("probe", "angle")
@@ -215,8 +215,7 @@ class ThresholdRouter(Router):
         """The warm-up's share of the target rate (`Router.set_progress`), into `rate_now`."""
         super().set_progress(progress)
         self._full_depth_now = self.rate_scale == 0.0
-        late = progress - self.price_start  # the late price's share of angle_cost
-        self.price_scale = min(1.0, max(0.0, late / self.price_ramp)) if self.price_ramp else float(late >= 0)
+        self.price_scale = ramped(progress, self.price_start, self.price_ramp)  # of angle_cost, now
         self.rate_now.fill_((self.target_rate or 0.0) * self.rate_scale)
 
     def _steps(self) -> int:
