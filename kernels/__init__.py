@@ -23,8 +23,9 @@ __all__ = [
 BACKENDS = ("auto", "triton", "inductor", "torch")
 """auto: the Triton kernel for CUDA tensors of a dtype it takes; on CPU, the write compiled by
 inductor for eager writes of at least `compiled.MIN_ELEMENTS` elements in fp32/bf16 (compiled.py),
-else the reference; triton: always the kernel (CPU tensors only under TRITON_INTERPRET=1);
-inductor: always the compiled write (the reference where compiling fails); torch: the reference."""
+compiled in the background while the reference runs, else the reference; triton: always the kernel
+(CPU tensors only under TRITON_INTERPRET=1); inductor: always the compiled write, compiled before
+the first write (the reference where compiling fails); torch: the reference."""
 
 
 try:
@@ -86,6 +87,16 @@ def _resolve(backend: str, u: torch.Tensor, f: torch.Tensor) -> str:
     return backend
 
 
+def _compiled_mode(backend: str, u: torch.Tensor, f: torch.Tensor) -> str | None:
+    """How an eager write of u and f runs compiled (compiled.py): "wait" (`inductor`: compiled
+    before the first write), "background" (`auto`: the reference until the compiled write is
+    ready), or None (not compiled: another backend, or inside torch.compile, which fuses the
+    traced write with the model)."""
+    if torch.compiler.is_compiling() or _resolve(backend, u, f) != "inductor":
+        return None
+    return "wait" if backend == "inductor" else "background"
+
+
 def nag_write(
     u: torch.Tensor,
     f: torch.Tensor,
@@ -133,12 +144,12 @@ def nag_write(
             )
         angle = angle.expand(rho.shape)
 
+    compiled = _compiled_mode(backend, u, f)
     backend = _resolve(backend, u, f)
     if backend in ("torch", "inductor"):
         # ordinary tensor operations that torch.compile fuses with the sublayer's neighbouring
         # kernels, where the operator would be one opaque node (ops.py); in eager mode, the same
         # formulas compiled on their own (compiled.py)
-        compiled = backend == "inductor" and not torch.compiler.is_compiling()
         u_new, rho_new, theta, h_next = TracedNagWrite.apply(
             u, f, rho, g, alpha, beta, float(theta_max), gamma_next, bound, angle, compiled
         )
@@ -176,6 +187,7 @@ def gated_nag_write(
         (u_new, rho_new, theta, angle): as `nag_write`'s without h_next, and the angle each row
         was given (fp32, shape (...,)), which carries gradient to the gate and to g.
     """
+    compiled = _compiled_mode(backend, u, f)
     backend = _resolve(backend, u, f)
     if not theta_max > 0:
         raise ValueError(f"theta_max must be positive, got {theta_max}.")
@@ -185,9 +197,11 @@ def gated_nag_write(
             f"gate_w must have shape ({u.shape[-1]},) and gate_b one element; got {tuple(gate_w.shape)} "
             f"and {tuple(gate_b.shape)}."
         )
-    if backend == "inductor" and not torch.compiler.is_compiling():
+    if compiled is not None:
         settings = (float(theta_max), "tanh", float(gain), radial)  # bound: unused with a given angle
-        return GatedNagWrite.apply(u, f, rho, g, alpha, beta, gate_w, gate_b.reshape(()), *settings)
+        return GatedNagWrite.apply(
+            u, f, rho, g, alpha, beta, gate_w, gate_b.reshape(()), *settings, compiled == "wait"
+        )
     base = gated_angle(u, gate_w, gate_b, theta_max, gain)
     angle = base if g is None else base * g.float()
     u_new, rho_new, theta, _ = nag_write(

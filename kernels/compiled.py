@@ -8,18 +8,26 @@ of its own (traced with symbolic sizes: one compilation serves every batch and s
 into a few fused loops; the gated NAG's write (`gated.py`) compiles its angle's formulas with
 them. The model itself stays eager; only these functions are compiled, and they are called
 without dynamo (`_Variant`): at a write's sizes its per-call work was a tenth of the write.
+Numbers that differ from sublayer to sublayer (a sublayer's bound) are passed as tensors, so one
+compilation serves every sublayer.
 
-The first call in a process compiles (about half a minute with a cold cache, a few seconds with
-inductor's on-disk cache warm), so `nag_kernels.nag_write` takes this path only for writes of at
+Compiling takes seconds to a minute (importing the compiler, tracing, inductor's build; its
+on-disk cache makes later processes faster), which a training run should not wait for. So
+`nag_kernels.nag_write`'s `auto` compiles in a background thread (`call(..., wait=False)`) and
+runs the reference until the compiled write is ready: the first step starts as soon as pre-norm's
+would. The two compute the same functions and differ only in rounding, so a run's rounding changes
+at the step the compiled write arrives; `kernel: inductor` compiles before the first write instead
+(`wait=True`), and `kernel: torch` never compiles. `auto` takes this path only for writes of at
 least `MIN_ELEMENTS` elements, where a training run is long enough to repay it; tests and small
 runs keep the reference. Where compiling fails (no C++ compiler, an unsupported platform), the
-failure is reported once and every later write runs the reference: values and gradients are the
-same functions' either way, only their rounding differs.
+failure is reported once and every later write runs the reference.
 """
 
 from __future__ import annotations
 
 import inspect
+import queue
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -41,7 +49,11 @@ MAX_VARIANTS = 8
 called in more shapes than that runs uncompiled in the others."""
 
 _compiled: dict[tuple, list[_Variant]] = {}
+_pending: set[tuple] = set()
+"""Settings whose next variant the background thread is compiling."""
 _failed = False
+_lock = threading.Lock()  # one compilation at a time, in whichever thread asked for it
+_queue: queue.SimpleQueue | None = None
 
 
 def usable(u: torch.Tensor) -> bool:
@@ -142,14 +154,15 @@ class _Slot(int):
     """An output tensor's index among the compiled function's outputs."""
 
 
-def call(fn: Callable, *args, **kwargs):
+def call(fn: Callable, *args, wait: bool = True, **kwargs):
     """Run `fn` (a write's forward or backward formulas: `nag_write_reference`,
     `nag_write_reference_backward`, or the gated write's in `gated.py`) compiled: once per setting
-    and shape variant, on first use, so importing the package does not import the compiler. On a
-    compilation failure, warn once and run every function as written from then on. Its tensors
-    must not need gradients (the compiled code records no autograd graph); its arguments are
-    tensors, None and constants, its outputs tensors, None and constants in tuples."""
-    global _failed
+    and shape variant, so importing the package does not import the compiler. With `wait` the
+    first call compiles before it returns; without, it asks the background thread to compile and
+    runs `fn` as written until the compiled variant is ready. On a compilation failure, warn once
+    and run every function as written from then on. Its tensors must not need gradients (the
+    compiled code records no autograd graph); its arguments are tensors, None and constants, its
+    outputs tensors, None and constants in tuples."""
     if _failed:
         return fn(*args, **kwargs)
     values = (*args, *kwargs.values())
@@ -162,12 +175,25 @@ def call(fn: Callable, *args, **kwargs):
     for variant in variants:
         if variant.accepts(given):
             return variant(tensors)
-    if len(variants) >= MAX_VARIANTS:
+    if len(variants) >= MAX_VARIANTS or setting in _pending:
         return fn(*args, **kwargs)
+    if not wait:
+        _pending.add(setting)
+        _background().put((setting, fn, _stand_ins(values), tuple(kwargs)))
+        return fn(*args, **kwargs)
+    variant = _compile(setting, fn, values, tuple(kwargs))
+    return fn(*args, **kwargs) if variant is None else variant(tensors)
+
+
+def _compile(setting: tuple, fn: Callable, values: tuple, names: tuple[str, ...]) -> _Variant | None:
+    """Compile `fn` for `values` and keep the variant under `setting`; None (and the reference from
+    now on, with one warning) where compiling fails."""
+    global _failed
     try:
-        variant = _Variant(fn, values, tuple(kwargs))
-        variants.append(variant)
-        return variant(tensors)
+        with _lock:
+            variant = _Variant(fn, values, names)
+        _compiled[setting].append(variant)
+        return variant
     except Exception as error:  # noqa: BLE001  (any compiler failure: the reference is exact)
         _failed = True
         warnings.warn(
@@ -175,6 +201,36 @@ def call(fn: Callable, *args, **kwargs):
             f"{str(error).splitlines()[0] if str(error) else ''}); it runs the PyTorch reference "
             "from now on, at the same values but slower. Install a C++ compiler (g++ or clang++) "
             "to get the fused write, or pass kernel='torch' to silence this.",
-            stacklevel=3,
+            stacklevel=4,
         )
-    return fn(*args, **kwargs)
+        return None
+
+
+def _stand_ins(values: tuple) -> tuple:
+    """`values` with each tensor replaced by an uninitialised one of the same dtype, sizes and
+    strides: what tracing needs, without keeping the step's tensors alive in the queue."""
+    return tuple(
+        torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+        if isinstance(v, torch.Tensor) else v
+        for v in values
+    )  # fmt: skip
+
+
+def _background() -> queue.SimpleQueue:
+    """The queue of the thread that compiles for `call(..., wait=False)`, started on first use. A
+    daemon: a process that ends while it compiles does not wait for it."""
+    global _queue
+    if _queue is None:
+        _queue = queue.SimpleQueue()
+        threading.Thread(target=_compile_queued, args=(_queue,), name="nag-write-compile", daemon=True).start()
+    return _queue
+
+
+def _compile_queued(work: queue.SimpleQueue) -> None:
+    while True:
+        setting, fn, values, names = work.get()
+        try:
+            if not _failed:
+                _compile(setting, fn, values, names)
+        finally:
+            _pending.discard(setting)

@@ -31,14 +31,14 @@ from .reference import nag_write_reference
 from .reference_backward import nag_write_reference_backward
 
 
-def gated_angle(u: Tensor, w: Tensor, b: Tensor, theta_max: float, gain: float) -> Tensor:
+def gated_angle(u: Tensor, w: Tensor, b: Tensor, theta_max: float | Tensor, gain: float) -> Tensor:
     """theta_max * sigmoid(gain <u, w> + b) per row of u (..., d), in fp32: the gated angle before
     any router's gate."""
     return theta_max * torch.sigmoid(gain * (u.float() @ w.float()) + b.float())
 
 
 def gated_write_forward(
-    u: Tensor, f: Tensor, rho: Tensor, g: Tensor | None, alpha: Tensor, beta: Tensor, theta_max: float,
+    u: Tensor, f: Tensor, rho: Tensor, g: Tensor | None, alpha: Tensor, beta: Tensor, theta_max: float | Tensor,
     bound: str, w: Tensor, b: Tensor, gain: float, radial: bool,
 ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor], Tensor, Tensor]:  # fmt: skip
     """((u_new, rho_new, theta, angle), rows, base): the write turned by the gated angle, the
@@ -53,7 +53,7 @@ def gated_write_forward(
 
 
 def gated_write_backward(
-    u: Tensor, f: Tensor, g: Tensor | None, alpha: Tensor, beta: Tensor, theta_max: float, bound: str,
+    u: Tensor, f: Tensor, g: Tensor | None, alpha: Tensor, beta: Tensor, theta_max: float | Tensor, bound: str,
     w: Tensor, b: Tensor, gain: float, radial: bool, base: Tensor, rows: Tensor,
     grad_u: Tensor, grad_rho: Tensor | None, grad_theta: Tensor, grad_angle: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
@@ -88,11 +88,11 @@ def gated_write_backward(
 
 class GatedNagWrite(torch.autograd.Function):
     """The gated write, forward and backward each one compiled function (`compiled.call`).
-    apply(u, f, rho, g, alpha, beta, w, b, theta_max, bound, gain, radial)
-    -> (u_new, rho_new, theta, angle)."""
+    apply(u, f, rho, g, alpha, beta, w, b, theta_max, bound, gain, radial, wait)
+    -> (u_new, rho_new, theta, angle); `wait` as `compiled.call`'s."""
 
     @staticmethod
-    def forward(ctx, u, f, rho, g, alpha, beta, w, b, theta_max, bound, gain, radial):
+    def forward(ctx, u, f, rho, g, alpha, beta, w, b, theta_max, bound, gain, radial, wait=True):
         # The compiled functions see detached tensors, a gate of ones for none and zeros for an
         # unused gradient, so that they are compiled for the few variants that change their
         # formulas (radial, dtypes), not for every combination of requires_grad and None:
@@ -100,12 +100,16 @@ class GatedNagWrite(torch.autograd.Function):
         ctx.g_given = g is not None
         g = torch.ones_like(rho, dtype=torch.float) if g is None else g
         inputs = [t.detach() for t in (u, f, rho, g, alpha, beta)]
+        # The bound goes in as a tensor: as a constant, each sublayer's own bound (the decaying
+        # schedule gives each one its own) would be a setting of its own, compiled once per sublayer.
+        theta_max = torch.tensor(float(theta_max), dtype=torch.float32, device=u.device)
         with torch.autocast(u.device.type, enabled=False):  # the write computes in fp32 itself
             outs, rows, base = _compiled.call(
-                gated_write_forward, *inputs, theta_max, bound, w.detach(), b.detach(), gain, radial
+                gated_write_forward, *inputs, theta_max, bound, w.detach(), b.detach(), gain, radial, wait=wait
             )
         ctx.save_for_backward(u, f, g, alpha, beta, w, b, base, rows)
         ctx.settings = (theta_max, bound, gain, radial)
+        ctx.wait = wait
         ctx.rho_dtype = rho.dtype
         ctx.set_materialize_grads(False)
         return outs
@@ -124,8 +128,8 @@ class GatedNagWrite(torch.autograd.Function):
         with torch.autocast(u.device.type, enabled=False):
             du, df, dg, dalpha, dbeta, dw, db = _compiled.call(
                 gated_write_backward, u, f, g, alpha, beta, theta_max, bound, w, b, gain, radial, base,
-                rows, *grads,
+                rows, *grads, wait=ctx.wait,
             )  # fmt: skip
         drho = None if grad_rho is None else grad_rho.to(ctx.rho_dtype)
         dg = dg if ctx.g_given else None
-        return du, df, drho, dg, dalpha, dbeta, dw, db, None, None, None, None
+        return du, df, drho, dg, dalpha, dbeta, dw, db, None, None, None, None, None

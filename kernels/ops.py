@@ -166,18 +166,19 @@ class TracedNagWrite(torch.autograd.Function):
     """The PyTorch path of `nag_write_op` as plain tensor operations for the compiler to trace:
     the reference forward, its per-row numbers saved, and `reference_backward`'s formulas, so
     values and gradients are the operator's and only fusion changes their rounding. Same
-    arguments as `nag_write_op` with `compiled` for `fused`: true runs both formulas compiled by
-    inductor (`compiled.py`, eager mode); returns (u_new, rho_new, theta, h_next), h_next empty
-    without gamma_next."""
+    arguments as `nag_write_op` with `compiled` for `fused`: "wait" or "background" runs both
+    formulas compiled by inductor (`compiled.py`, eager mode), compiled before the first call or
+    once the background compilation is ready; None runs them as written. Returns (u_new, rho_new,
+    theta, h_next), h_next empty without gamma_next."""
 
     @staticmethod
-    def forward(ctx, u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, angle, compiled=False):
+    def forward(ctx, u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, angle, compiled=None):
         with torch.autocast(u.device.type, enabled=False):  # the write computes in fp32 itself
             args = (u, f, rho, g, alpha, beta, theta_max, gamma_next, bound, True)
             if compiled:
                 # detached: a compiled function is not compiled again for each requires_grad (gated.py)
                 args, angle = _detached(args), _detached((angle,))[0]
-                outs, rows = _compiled.call(nag_write_reference, *args, angle=angle)
+                outs, rows = _compiled.call(nag_write_reference, *args, wait=compiled == "wait", angle=angle)
             else:
                 outs, rows = nag_write_reference(*args, angle=angle)
         ctx.save_for_backward(u, f, g, alpha, beta, gamma_next, rows, angle)
@@ -199,7 +200,9 @@ class TracedNagWrite(torch.autograd.Function):
         with torch.autocast(u.device.type, enabled=False):
             if ctx.compiled:
                 args, rows, angle = _detached(args), rows.detach(), _detached((angle,))[0]
-                grads = _compiled.call(nag_write_reference_backward, *args, rows=rows, angle=angle)
+                grads = _compiled.call(
+                    nag_write_reference_backward, *args, wait=ctx.compiled == "wait", rows=rows, angle=angle
+                )
             else:
                 grads = nag_write_reference_backward(*args, rows=rows, angle=angle)
         du, df, dg, dalpha, dbeta, dgamma, dangle = grads

@@ -5,6 +5,8 @@ again, with one warning, where compiling fails."""
 from __future__ import annotations
 
 import sys
+import threading
+import time
 import warnings
 
 import pytest
@@ -96,9 +98,8 @@ def test_gated_write_compiled_with_its_angle_matches_the_angle_given_to_the_refe
 def test_gated_write_compiles_once_per_setting_whatever_the_gate_gradients_and_sizes():
     """A process that trains several models (a benchmark, a sweep) calls the compiled write with
     and without a router's gate, with and without gradients, at several batch shapes and for
-    several layers (each its own row of the parameters): one
-    compiled forward and one compiled backward serve them all. Another width or bound is another
-    setting, compiled once more."""
+    several layers (each its own row of the parameters) with each layer's own bound (the decaying
+    schedule): one compiled forward and one compiled backward serve them all."""
 
     def write(d, theta_max, gated, grad, rows=(6,), layer=0):
         gen = torch.Generator().manual_seed(d)
@@ -122,9 +123,91 @@ def test_gated_write_compiles_once_per_setting_whatever_the_gate_gradients_and_s
     for gated, grad, rows, layer in [(True, True, (6,), 1), (False, False, (9,), 0), (True, True, (13,), 0)]:
         write(16, 0.5, gated, grad, rows, layer)
     assert variants() == before
-    write(32, 1.5, True, True)
-    assert variants() == before + 2
+    for layer, bound in enumerate((1.5, 0.9, 0.7)):  # a bound is a tensor argument, not a setting
+        write(16, bound, True, True, layer=layer)
+    assert variants() == before
     assert not compiled._failed
+
+
+class HeldCompilation:
+    """A stand-in for a compiled variant whose compilation finishes when `done` is set: it then
+    runs the function as written and says so (`compiled` in the result)."""
+
+    made: list[str] = []
+    done = threading.Event()
+
+    def __init__(self, fn, values, names):
+        assert HeldCompilation.done.wait(60)
+        HeldCompilation.made.append(fn.__name__)
+        self.fn, self.values, self.names = fn, values, names
+
+    def accepts(self, given):
+        return True
+
+    def __call__(self, tensors):
+        given = iter(tensors)
+        values = [next(given) if isinstance(v, torch.Tensor) else v for v in self.values]
+        return "compiled", self.fn(*values)
+
+
+class RecordingCompilation(HeldCompilation):
+    """A held compilation that returns what the function returns, as a compiled variant does."""
+
+    def __call__(self, tensors):
+        return super().__call__(tensors)[1]
+
+
+def doubled(x):
+    return x * 2
+
+
+def test_background_compilation_runs_the_function_as_written_until_it_is_ready(monkeypatch):
+    """`auto`'s path (`wait=False`): the first calls do not wait for the compiler, and ask for
+    one compilation however often they come; once it is ready, calls take the compiled variant.
+    `wait=True` (`kernel: inductor`) compiles before it returns."""
+    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(compiled, "_pending", set())
+    monkeypatch.setattr(compiled, "_failed", False)
+    monkeypatch.setattr(compiled, "_Variant", HeldCompilation)
+    monkeypatch.setattr(HeldCompilation, "made", [])
+    HeldCompilation.done.clear()
+    x = torch.arange(3.0)
+    for _ in range(3):  # the compilation is held: each call runs the function itself
+        assert torch.equal(compiled.call(doubled, x, wait=False), 2 * x)
+    HeldCompilation.done.set()
+    for _ in range(100):
+        if not compiled._pending:
+            break
+        time.sleep(0.05)
+    label, value = compiled.call(doubled, x, wait=False)
+    assert label == "compiled" and torch.equal(value, 2 * x)
+    assert HeldCompilation.made == ["doubled"]  # asked for once
+    label, _ = compiled.call(doubled, x.view(3, 1) + 1, wait=True)  # another setting (dimensions)
+    assert label == "compiled" and HeldCompilation.made == ["doubled", "doubled"]
+
+
+def test_a_model_of_many_sublayers_compiles_one_write(monkeypatch):
+    """The default NAG (each sublayer its own bound) at a size `auto` compiles for: one forward and
+    one backward variant for all its sublayers, compiled in the background while the model trains
+    on the reference."""
+    from nag_lightning.model.config import TransformerConfig
+    from nag_lightning.model.transformer import Transformer
+
+    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(compiled, "_pending", set())
+    monkeypatch.setattr(compiled, "_failed", False)
+    monkeypatch.setattr(compiled, "_Variant", RecordingCompilation)
+    monkeypatch.setattr(HeldCompilation, "made", [])
+    HeldCompilation.done.set()
+    model = Transformer(TransformerConfig(d_model=64, n_layers=4, seq_len=64, residual="nag"))
+    batch = torch.randint(0, 256, (compiled.MIN_ELEMENTS // (64 * 64), 64))
+    for _ in range(2):
+        model(batch).logits.sum().backward()
+        for _ in range(100):
+            if not compiled._pending:
+                break
+            time.sleep(0.05)
+    assert sorted(HeldCompilation.made) == ["gated_write_backward", "gated_write_forward"]
 
 
 @pytest.mark.parametrize("rows", [(1,), (2, 3), (3, 1700), (1, 5)], ids=lambda r: "x".join(map(str, r)))
