@@ -2,7 +2,7 @@
 
 Turns toward a direction many tokens share add up over depth, so the bound falls like 1/depth
 (theta_max = 8/N for the gate, at most pi/2): with pi/2 every token collapses onto one direction
-within a few blocks (docs/design.md, "The bound").
+within a few blocks (docs/design.md, "Measured since").
 
     flat:      theta_l = theta_max
     decaying:  theta_l = min(theta_max * sqrt(N / (H_N (l + 1))), pi/2)    sum of theta_l^2 as flat's

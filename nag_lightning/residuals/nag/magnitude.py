@@ -4,7 +4,7 @@ output.
     θ = θ_l · s(g·α_l·|f⊥| / (√d·θ_l)),   s = tanh, or x / (1 + |x|) ("rational")
 
 Adam grows |f⊥| until nearly every token sits on the bound, so θ then says little about which
-tokens matter (docs/design.md, "The angle"). The write runs as `nag_kernels.nag_write`.
+tokens matter (docs/design.md, "Measured since"). The write runs as `nag_kernels.nag_write`.
 """
 
 from __future__ import annotations
