@@ -46,7 +46,7 @@ def with_old_write(model: Transformer, old: types.ModuleType) -> Transformer:
     def write(state, f, gate, index, need_angle=True):
         u, rho = state
         u_new, rho_new, theta, _ = old.RecomputedReference.apply(
-            u, f, rho, gate, s.alpha[index], s.beta[index], s.theta_max, None, s.bound
+            u, f, rho, gate, s.alpha[index], s.beta[index], s.bound.theta_max, None, "tanh"
         )
         return (u_new, rho_new), theta.detach().abs()
 

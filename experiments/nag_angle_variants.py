@@ -73,9 +73,9 @@ class RelativeNAG(NAGResidual):
         g = 1.0 if gate is None else gate.float()
         relative = n / self.n_ema[index].clamp_min(1e-6)
         x = g * self.alpha[index] * math.sqrt(self.n_sublayers) * self.rel_scale * relative
-        theta = self.theta_max * torch.tanh(x)
+        theta = self.bound.theta_max * torch.tanh(x)
         u_new, rho_new, theta, _ = nag_write(
-            u, f, rho, gate, self.alpha[index], self.beta[index], self.theta_max,
-            backend=self.kernel, angle=theta,
+            u, f, rho, gate, self.alpha[index], self.beta[index], self.bound.theta_max,
+            backend=self.angle.kernel, angle=theta,
         )  # fmt: skip
         return (u_new, rho_new), theta.detach().abs()

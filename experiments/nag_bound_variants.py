@@ -8,7 +8,7 @@ numbers there can be rerun. They are plugins outside the package, named by dotte
 
 - `AtanBoundNAG`: theta = theta_max * (2/pi) * atan((pi/2) x / theta_max). Slope 1 at 0 like
   tanh, but its gradient decays like 1/x^2 instead of exponentially. It tied with tanh; the
-  package's `bound="rational"` has the same tail and a kernel.
+  package's `saturation="rational"` has the same tail and a kernel.
 - `LearnedBoundNAG`: a learnable bound per sublayer, theta_max * exp(scale * s_l), s_l from 0.
   In 400 steps the bounds moved by less than 0.2 in log and the loss did not improve.
 
@@ -57,7 +57,7 @@ class AtanBoundNAG(MagnitudeNAG):
     """NAG with an arctangent bound on the angle."""
 
     def write(self, state, f, gate, index, need_angle=True):
-        scale = math.pi / 2 / self.theta_max
+        scale = math.pi / 2 / self.bound.theta_max
         return rotate(state, f, gate, self.alpha[index], self.beta[index],
                       lambda x: torch.atan(scale * x) / scale)
 
@@ -76,6 +76,6 @@ class LearnedBoundNAG(MagnitudeNAG):
         self.bound_scale = bound_scale
 
     def write(self, state, f, gate, index, need_angle=True):
-        limit = self.theta_max * torch.exp(self.bound_scale * self.log_bound[index])
+        limit = self.bound.theta_max * torch.exp(self.bound_scale * self.log_bound[index])
         return rotate(state, f, gate, self.alpha[index], self.beta[index],
                       lambda x: limit * torch.tanh(x / limit))

@@ -158,18 +158,18 @@ def test_one_infinite_weight_is_named(raw, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["generate", "validate", "sweep"])
-@pytest.mark.parametrize(("setting", "expected"), [
-    ({"theta_max": 1e30}, "theta_max must be in (0, pi] radians; got 1e+30"),
-    ({"bound": "cubic"}, "bound must be one of ('tanh', 'rational'); got 'cubic'"),
-    ({"gate_radial": "yes"}, "gate_radial must be true or false; got 'yes'"),
+@pytest.mark.parametrize(("part", "setting", "expected"), [
+    ("bound.", {"theta_max": 1e30}, "theta_max must be in (0, pi] radians; got 1e+30"),
+    ("", {"bound": "cubic"}, "bound must be one of ('decaying', 'flat', 'learned'); got 'cubic'"),
+    ("angle.", {"gate_radial": "yes"}, "gate_radial must be true or false; got 'yes'"),
 ])
-def test_impossible_saved_settings_are_refused(name, setting, expected, raw, corpus, tmp_path, capsys,
+def test_impossible_saved_settings_are_refused(name, part, setting, expected, raw, corpus, tmp_path, capsys,
                                                monkeypatch):
     monkeypatch.chdir(tmp_path)
-    ckpt = changed(raw, tmp_path / "settings.ckpt",
-                   lambda c: c["state_dict"]["model.strategy._extra_state"].update(setting))
+    key = f"strategy.{part}_extra_state"
+    ckpt = changed(raw, tmp_path / "settings.ckpt", lambda c: c["state_dict"][f"model.{key}"].update(setting))
     sentence = refused(command(name, ckpt, corpus, tmp_path), capsys, tmp_path)
-    assert "holds saved settings strategy._extra_state that its model refuses" in sentence
+    assert f"holds saved settings {key} that its model refuses" in sentence
     assert expected in sentence
 
 
@@ -177,7 +177,7 @@ def test_impossible_saved_settings_in_an_exported_folder_are_refused(trained, tm
     monkeypatch.chdir(tmp_path)
     assert run_cli(["export", f"--ckpt_path={trained}", "--out=folder"], capsys)[0] == 0
     config = json.loads(Path("folder/config.json").read_text())
-    config["extra_state"]["strategy._extra_state"]["theta_max"] = 1e30
+    config["extra_state"]["strategy.bound._extra_state"]["theta_max"] = 1e30
     Path("folder/config.json").write_text(json.dumps(config))
     sentence = refused(["generate", "--ckpt_path=folder"], capsys, tmp_path)
     assert "theta_max must be in (0, pi] radians; got 1e+30" in sentence

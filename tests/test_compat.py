@@ -105,16 +105,36 @@ def test_the_reader_completes_the_oldest_nag_state():
     upgrade_checkpoint(raw)  # the layout stays as saved; the angle of its time is named in it
     assert raw["hyper_parameters"] == {"n_layers": 2, "residual": "nag",
                                        "residual_options": {"angle": "magnitude"}}
-    assert raw["state_dict"]["model.strategy._extra_state"] == {
-        "theta_max": 0.5, "norm_lane_readout": False, "bound": "tanh", "angle": "magnitude",
-        "angle_cost": 0.0, "gate_radial": False, "gate_reads": "state", "learned_bound": False,
-        "channel_scale": False, "gate_gain": "sqrt_d", "inertia": "none",
-        "bound_schedule": "flat"}
-    gated = {"hyper_parameters": {"arch": {"residual": "nag"}},
-             "state_dict": {"model.strategy._extra_state": {"theta_max": 1.0, "angle": "gate"}}}
+    state = raw["state_dict"]  # the settings of the time, split among the parts
+    assert state["model.strategy._extra_state"] == {"angle": "magnitude", "bound": "flat",
+                                                    "norm_lane_readout": False, "channel_scale": False}
+    assert state["model.strategy.angle._extra_state"] == {"saturation": "tanh"}
+    assert state["model.strategy.bound._extra_state"] == {"theta_max": 0.5}
+    gated = {"hyper_parameters": {"arch": {"residual": "nag", "residual_options": {"gate_reads": "update"}}},
+             "state_dict": {"model.strategy._extra_state": {"theta_max": 1.0, "angle": "gate", "norm_lane_readout": True,
+                                                           "gate_reads": "update"},
+                            "model.strategy.gate_w": alpha, "model.strategy.gate_v": beta}}
     upgrade_checkpoint(gated)
-    assert gated["hyper_parameters"]["arch"] == {"residual": "nag"}  # the default angle: nothing to name
-    assert gated["state_dict"]["model.strategy._extra_state"]["angle_cost"] == 0.0
+    assert gated["hyper_parameters"]["arch"] == {"residual": "nag", "residual_options": {"angle": "gate_update"}}
+    state = gated["state_dict"]
+    assert state["model.strategy._extra_state"]["angle"] == "gate_update"
+    assert state["model.strategy.angle._extra_state"] == {"gate_gain": "sqrt_d", "gate_radial": False,
+                                                          "angle_cost": 0.0}
+    assert state["model.strategy.angle.gate_w"] is alpha and state["model.strategy.angle.gate_v"] is beta
+    current = {"hyper_parameters": {"arch": {"residual": "nag"}}, "state_dict": dict(state)}
+    upgrade_checkpoint(current)  # a checkpoint of the current format is left as it is
+    assert current["state_dict"] == state and current["hyper_parameters"] == {"arch": {"residual": "nag"}}
+
+
+def test_the_options_of_earlier_nag_checkpoints_read_in_the_current_names():
+    from nag_lightning.checkpoints.compat import current_nag_options
+
+    assert current_nag_options({"bound_schedule": "flat", "gate_gain": "sqrt_d"}, "gate") == {
+        "bound": "flat", "gate_gain": "sqrt_d"}
+    assert current_nag_options({"learned_bound": True, "bound_schedule": "flat"}, "gate") == {"bound": "learned"}
+    assert current_nag_options({"gate_reads": "tangent"}, "gate") == {"angle": "gate_tangent"}
+    assert current_nag_options({"angle": "magnitude", "bound": "rational"}, "magnitude") == {
+        "angle": "magnitude", "saturation": "rational"}
 
 
 def test_the_oldest_nag_checkpoint_loads_resumes_sweeps_and_generates(oldest_checkpoint, tmp_path,
@@ -123,8 +143,8 @@ def test_the_oldest_nag_checkpoint_loads_resumes_sweeps_and_generates(oldest_che
 
     module = LanguageModel.load_from_checkpoint(oldest_checkpoint)
     strategy = module.model.strategy
-    assert (strategy.angle, strategy.theta_max, strategy.norm_lane_readout) == ("magnitude", 0.25, False)
-    assert not hasattr(strategy, "gate_w")
+    assert (strategy.angle.name, strategy.bound.theta_max, strategy.norm_lane_readout) == ("magnitude", 0.25, False)
+    assert not any("gate" in name for name, _ in strategy.named_parameters())
     weights = torch.load(oldest_checkpoint, weights_only=True)["state_dict"]
     torch.testing.assert_close(strategy.alpha, weights["model.strategy.alpha"])
     monkeypatch.chdir(tmp_path)

@@ -15,12 +15,12 @@ D, ROWS, N = 64, 16, 8
 
 FAMILIES = {
     "gate, decaying bound (default)": ("nag", {}),
-    "gate, flat bound (the earlier default)": ("nag", {"bound_schedule": "flat"}),
-    "gate reads the update": ("nag", {"gate_reads": "update"}),
-    "gate times the tangential share": ("nag", {"gate_reads": "tangent"}),
-    "learned bound": ("nag", {"learned_bound": True}),
+    "gate, flat bound (the earlier default)": ("nag", {"bound": "flat"}),
+    "gate reads the update": ("nag", {"angle": "gate_update"}),
+    "gate times the tangential share": ("nag", {"angle": "gate_tangent"}),
+    "learned bound": ("nag", {"bound": "learned"}),
     "per-channel gain": ("nag", {"channel_scale": True}),
-    "step": ("nag", {"angle": "magnitude", "bound": "rational", "theta_max": math.pi / 2}),
+    "step": ("nag", {"angle": "magnitude", "saturation": "rational", "theta_max": math.pi / 2}),
     "planes": ("nag_planes", {"planes": 4}),
     "additive": ("nag", {"angle": "additive"}),
     "additive, learned inertia": ("nag", {"angle": "additive", "inertia": "lane", "beta_init": 0.5}),
@@ -34,11 +34,11 @@ def build(name: str, options: dict):
     with torch.no_grad():  # trained-looking parameters: angles differ between tokens and sublayers
         generator = torch.Generator().manual_seed(3)
         for param_name, param in strategy.named_parameters():
-            if param_name.startswith(("gate_w", "gate_v")):
+            if param_name in ("angle.gate_w", "angle.gate_v"):
                 param.normal_(0.0, 0.3, generator=generator)
-            elif param_name == "channel_gain":
+            elif param_name == "channel.gain":
                 param.uniform_(0.5, 1.5, generator=generator)
-            elif param_name == "bound_logit":
+            elif param_name == "bound.logit":
                 param.normal_(0.0, 1.0, generator=generator)
     return strategy
 
@@ -87,26 +87,28 @@ def test_every_family_trains_and_its_checkpoint_loads_with_its_settings(family):
     torch.testing.assert_close(loaded.eval()(idx).logits, model.eval()(idx).logits)
 
 
-@pytest.mark.parametrize("option", [{"gate_reads": "update"}, {"learned_bound": True},
+@pytest.mark.parametrize("option", [{"angle": "gate_update"}, {"bound": "learned"},
                                     {"channel_scale": True}])
 def test_a_checkpoint_loads_only_into_a_model_of_its_own_structure(option):
+    """Parts or gains with parameters of their own: the model must be built with them."""
     trained = build("nag", option).state_dict()
-    with pytest.raises(ValueError, match=f"trained with {next(iter(option))}="):
+    name, value = next(iter(option.items()))
+    with pytest.raises(ValueError, match=f"trained with {name}={value}; this model was built with"):
         build("nag", {}).load_state_dict(trained, strict=False)
 
 
 def test_the_tangent_gate_does_not_turn_a_state_its_update_agrees_with():
-    strategy = build("nag", {"gate_reads": "tangent"})
+    strategy = build("nag", {"angle": "gate_tangent"})
     (u, rho), f = state_and_update(strategy)
     (_, _), along = strategy.write((u, rho), 5.0 * u + 1e-4 * f, None, 0)
     (_, _), across = strategy.write((u, rho), f - (f * u).sum(-1, keepdim=True) * u, None, 0)
-    gate = strategy.gate_angle(u, 0)
+    gate = strategy.angle.state_angle(u, 0, strategy.bound)
     assert (along < 1e-3).all()  # the default gate would turn these by the full gated angle
     torch.testing.assert_close(across, gate, atol=1e-4, rtol=0)  # f ⟂ u: the gated angle itself
 
 
 def test_the_update_reading_gate_depends_on_what_was_written_and_plans_nothing():
-    strategy = build("nag", {"gate_reads": "update"})
+    strategy = build("nag", {"angle": "gate_update"})
     (u, rho), f = state_and_update(strategy)
     (_, _), one = strategy.write((u, rho), f, None, 0)
     (_, _), other = strategy.write((u, rho), f.roll(1, -1), None, 0)
@@ -117,61 +119,70 @@ def test_the_update_reading_gate_depends_on_what_was_written_and_plans_nothing()
 
 
 def test_the_learned_bound_starts_at_theta_max_and_stays_below_pi():
-    strategy = build_residual("nag", D, n_sublayers=N, learned_bound=True)
-    torch.testing.assert_close(strategy.bound_of(2), torch.tensor(strategy.theta_max))
+    strategy = build_residual("nag", D, n_sublayers=N, bound="learned")
+    torch.testing.assert_close(strategy.bound.of(2), torch.tensor(strategy.bound.theta_max))
     with torch.no_grad():
-        strategy.bound_logit.fill_(50.0)
+        strategy.bound.logit.fill_(50.0)
     (u, rho), f = state_and_update(strategy)
     (_, _), theta = strategy.write((u, rho), f, None, 2)
-    assert (theta <= math.pi).all() and theta.max() > strategy.theta_max
+    assert (theta <= math.pi).all() and theta.max() > strategy.bound.theta_max
 
 
 def test_the_decaying_bound_keeps_the_flat_budget_and_turns_early_writes_more():
     n = 16  # 8 blocks: no bound reaches pi / 2
-    flat = build_residual("nag", D, n_sublayers=n, bound_schedule="flat")
+    flat = build_residual("nag", D, n_sublayers=n, bound="flat")
     decaying = build_residual("nag", D, n_sublayers=n)  # the default
     with torch.no_grad():  # the same trained-looking gates: only the bound differs
         for strategy in (flat, decaying):
-            strategy.gate_w.copy_(torch.randn(n, D, generator=torch.Generator().manual_seed(3)) * 0.3)
-    bounds = [decaying.bound_of(i) for i in range(n)]
-    assert bounds == sorted(bounds, reverse=True) and bounds[0] > flat.theta_max > bounds[-1]
-    assert math.isclose(sum(b * b for b in bounds), n * flat.theta_max**2, rel_tol=1e-9)
+            strategy.angle.gate_w.copy_(torch.randn(n, D, generator=torch.Generator().manual_seed(3)) * 0.3)
+    bounds = [decaying.bound.of(i) for i in range(n)]
+    theta_max = flat.bound.theta_max
+    assert bounds == sorted(bounds, reverse=True) and bounds[0] > theta_max > bounds[-1]
+    assert math.isclose(sum(b * b for b in bounds), n * theta_max**2, rel_tol=1e-9)
     (u, rho), f = state_and_update(flat)
     for index in (0, n - 1):
         (_, _), theta_flat = flat.write((u, rho), f, None, index)
         (_, _), theta = decaying.write((u, rho), f, None, index)
         # the same share of a different bound, and what the router plans is what the write turns
-        torch.testing.assert_close(theta, theta_flat * bounds[index] / flat.theta_max)
+        torch.testing.assert_close(theta, theta_flat * bounds[index] / theta_max)
         torch.testing.assert_close(decaying.planned_angle((u, rho), index), theta)
-    with pytest.raises(ValueError, match="bound_schedule"):
-        build_residual("nag", D, n_sublayers=N, bound_schedule="decaying", learned_bound=True)
-    with pytest.raises(ValueError, match="bound_schedule must be one of"):
-        build_residual("nag", D, n_sublayers=N, bound_schedule="cosine")
+    with pytest.raises(ValueError, match="bound must be one of"):
+        build_residual("nag", D, n_sublayers=N, bound="cosine")
 
 
-def test_the_bound_decays_by_default_only_where_a_fixed_gated_bound_exists():
-    assert build_residual("nag", D, n_sublayers=N).bound_schedule == "decaying"
-    for name, options in (("nag", {"angle": "magnitude"}), ("nag", {"angle": "additive"}),
-                          ("nag", {"learned_bound": True}), ("nag_planes", {})):
-        assert build_residual(name, D, n_sublayers=N, **options).bound_schedule == "flat"
+def test_the_bound_decays_by_default_only_for_the_gates():
+    assert build_residual("nag", D, n_sublayers=N).bound.name == "decaying"
+    assert build_residual("nag", D, n_sublayers=N, angle="gate_update").bound.name == "decaying"
+    for name, options in (("nag", {"angle": "magnitude"}), ("nag", {"angle": "additive"}), ("nag_planes", {})):
+        assert build_residual(name, D, n_sublayers=N, **options).bound.name == "flat"
+    with pytest.raises(ValueError, match="The magnitude angle turns within a bound of flat; got bound='decaying'"):
+        build_residual("nag", D, n_sublayers=N, angle="magnitude", bound="decaying")
 
 
 def test_a_checkpoint_of_the_flat_bound_loads_flat_and_gives_its_outputs():
-    """Saved before the bound had a schedule (no bound_schedule in its settings): it trained flat."""
+    """Saved before the bound had a schedule (no bound_schedule in its settings): it trained flat,
+    and the model built with the default bound takes the flat one instead, neither having
+    parameters."""
     from nag_lightning.checkpoints.compat import upgrade_nag_state
 
     config = TransformerConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, seq_len=16,
-                               residual="nag", residual_options={"bound_schedule": "flat"})
+                               residual="nag", residual_options={"bound": "flat"})
     torch.manual_seed(0)
     old = Transformer(config).eval()
     with torch.no_grad():
-        old.strategy.gate_w.normal_(0.0, 0.3)
+        old.strategy.angle.gate_w.normal_(0.0, 0.3)
     state = old.state_dict()
-    del state["strategy._extra_state"]["bound_schedule"]
-    upgrade_nag_state(state, {}, prefix="strategy.")
+    # as the release before the bound had a schedule saved it: one flat dict, the gate on the residual
+    state["strategy._extra_state"] = {"theta_max": state.pop("strategy.bound._extra_state")["theta_max"],
+                                      "norm_lane_readout": True, "bound": "tanh", "angle": "gate",
+                                      **state.pop("strategy.angle._extra_state")}
+    state["strategy.gate_w"], state["strategy.gate_b"] = state.pop("strategy.angle.gate_w"), state.pop(
+        "strategy.angle.gate_b")
+    assert upgrade_nag_state(state, {}, prefix="strategy.") == {}
     loaded = Transformer(TransformerConfig(**{**config.__dict__, "residual_options": {}})).eval()
+    assert loaded.strategy.bound.name == "decaying"
     loaded.load_state_dict(state)
-    assert loaded.strategy.bound_schedule == "flat"
+    assert loaded.strategy.bound.name == "flat"
     idx = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(loaded(idx).logits, old(idx).logits)
 
@@ -221,16 +232,17 @@ def test_the_additive_angle_turns_as_a_renormalised_additive_residual():
 
 def test_the_gate_gain_scales_the_gates_dot_product_and_travels_in_checkpoints():
     slow = build_residual("nag", D, n_sublayers=N, gate_gain=1.0)
+    gate = slow.angle
     with torch.no_grad():
-        slow.gate_w.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(4))
+        gate.gate_w.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(4))
     (u, rho), f = state_and_update(slow)
-    expected = slow.bound_of(0) * torch.sigmoid(u @ slow.gate_w[0] + slow.gate_b[0])
-    torch.testing.assert_close(slow.gate_angle(u, 0), expected.detach())
+    expected = slow.bound.of(0) * torch.sigmoid(u @ gate.gate_w[0] + gate.gate_b[0])
+    torch.testing.assert_close(slow.planned_angle((u, rho), 0), expected.detach())
     (_, _), theta = slow.write((u, rho), f, None, 0)
     torch.testing.assert_close(theta, expected.detach(), atol=1e-4, rtol=0)
     loaded = build_residual("nag", D, n_sublayers=N)
     loaded.load_state_dict(slow.state_dict())
-    assert loaded.gate_gain == 1.0
+    assert loaded.angle.gate_gain == 1.0
     with pytest.raises(ValueError, match="trained with gate_gain=1.0"):
         build_residual("nag", D, n_sublayers=N, gate_gain=2.0).load_state_dict(slow.state_dict())
 
@@ -245,10 +257,11 @@ def test_the_additive_angle_with_inertia_is_the_prenorm_stream():
     lanes = Transformer(TransformerConfig(**common, residual="nag", residual_options={
         "angle": "additive", "inertia": "norm", "norm_lane_readout": False}))
     missing, unexpected = lanes.load_state_dict(prenorm.state_dict(), strict=False)
-    assert set(missing) == {"strategy.alpha", "strategy.beta", "strategy._extra_state"} and not unexpected
+    assert set(missing) == {"strategy.alpha", "strategy.beta", "strategy._extra_state",
+                            "strategy.angle._extra_state", "strategy.bound._extra_state"} and not unexpected
     idx = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(lanes(idx).logits, prenorm(idx).logits, atol=2e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="inertia scales the additive angle"):
+    with pytest.raises(ValueError, match="'inertia', which the NAG angle 'gate' does not take"):
         build_residual("nag", D, n_sublayers=N, inertia="norm")
 
 

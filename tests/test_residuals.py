@@ -23,11 +23,23 @@ def through_the_reader(state: dict, **options):
     """A NAG loaded as the checkpoint reader loads one: `state` upgraded by `compat` with the
     checkpoint's residual `options`, the strategy built from the options it leaves."""
     state = dict(state)
-    if upgrade_nag_state(state, options, prefix=""):
-        options = {**options, "angle": "magnitude"}
-    strategy = nag(**options)
+    upgraded = upgrade_nag_state(state, options, prefix="")
+    strategy = nag(**(options if upgraded is None else upgraded))
     strategy.load_state_dict(state)
     return strategy
+
+
+def flat_settings(strategy) -> dict:
+    """The state dict of a NAG `strategy` as releases before the parts saved it: one flat dict of
+    settings, the gate's parameters on the residual."""
+    state = dict(strategy.state_dict())
+    angle, bound = state.pop("angle._extra_state"), state.pop("bound._extra_state")
+    residual = state.pop("_extra_state")
+    settings = {"theta_max": bound["theta_max"], "norm_lane_readout": residual["norm_lane_readout"],
+                "angle": residual["angle"]}
+    settings.update({"bound": angle.pop("saturation")} if "saturation" in angle else angle)
+    state["_extra_state"] = settings
+    return {k.removeprefix("angle."): v for k, v in state.items()}
 
 
 def unit_state(strategy, rows=ROWS, seed=0):
@@ -75,9 +87,9 @@ def test_nag_applied_angle_equals_theta_and_is_bounded():
         (u_new, _), theta = strategy.write((u, rho), f, None, index=0)
         applied = torch.acos((u * u_new).sum(-1).clamp(-1, 1))
         torch.testing.assert_close(applied, theta, atol=1e-3, rtol=0)
-        assert (theta <= strategy.theta_max).all()
+        assert (theta <= strategy.bound.theta_max).all()
     # A huge update is bounded near theta_max, not wrapped around.
-    assert theta.min() > 0.99 * strategy.theta_max
+    assert theta.min() > 0.99 * strategy.bound.theta_max
 
 
 def test_nag_theta_does_not_depend_on_rho():
@@ -141,30 +153,31 @@ def test_nag_rejects_bad_options():
 
 def test_nag_defaults_scale_the_bound_with_depth_and_read_the_norm_lane():
     strategy = nag()  # 8 sublayers
-    assert strategy.angle == "gate" and strategy.theta_max == 8 / 8 and strategy.norm_lane_readout
+    assert strategy.angle.name == "gate" and strategy.bound.theta_max == 8 / 8 and strategy.norm_lane_readout
     magnitude = nag(angle="magnitude")
-    assert magnitude.theta_max == 4 / 8 and magnitude.bound == "tanh" and not hasattr(magnitude, "gate_w")
+    assert magnitude.bound.theta_max == 4 / 8 and magnitude.angle.saturation == "tanh"
+    assert not any("gate" in name for name, _ in magnitude.named_parameters())
 
 
 def test_nag_checkpoint_carries_its_settings():
     """A state dict loads with the settings it was trained under, whatever the new model's."""
-    trained = nag(theta_max=0.3, norm_lane_readout=False, bound="rational")
-    loaded = nag()
+    trained = nag(angle="magnitude", theta_max=0.3, norm_lane_readout=False, saturation="rational")
+    loaded = nag(angle="magnitude")
     loaded.load_state_dict(trained.state_dict())
-    assert (loaded.theta_max, loaded.norm_lane_readout, loaded.bound) == (0.3, False, "rational")
+    assert (loaded.bound.theta_max, loaded.norm_lane_readout, loaded.angle.saturation) == (0.3, False, "rational")
     with pytest.raises(ValueError, match="trained with theta_max=0.3; this model was given theta_max=0.5"):
-        nag(theta_max=0.5).load_state_dict(trained.state_dict())
+        nag(angle="magnitude", theta_max=0.5).load_state_dict(trained.state_dict())
 
 
 def test_nag_checkpoint_without_settings_gets_the_defaults_of_its_time():
     """State dicts from before the settings were saved: theta_max 2/N and no readout, unless given."""
-    old = {k: v for k, v in nag(angle="magnitude").state_dict().items() if k != "_extra_state"}
+    old = {k: v for k, v in nag(angle="magnitude").state_dict().items() if not k.endswith("_extra_state")}
     loaded = through_the_reader(old)
-    assert (loaded.theta_max, loaded.norm_lane_readout, loaded.angle) == (2 / 8, False, "magnitude")
+    assert (loaded.bound.theta_max, loaded.norm_lane_readout, loaded.angle.name) == (2 / 8, False, "magnitude")
     given = through_the_reader(old, theta_max=1.0, norm_lane_readout=True)
-    assert (given.theta_max, given.norm_lane_readout) == (1.0, True)
+    assert (given.bound.theta_max, given.norm_lane_readout) == (1.0, True)
     prenorm = build_residual("prenorm", D, n_sublayers=8).state_dict()
-    assert not upgrade_nag_state(prenorm, {}, prefix="")
+    assert upgrade_nag_state(prenorm, {}, prefix="") is None
     assert "_extra_state" not in prenorm  # another strategy's state is left alone
 
 
@@ -310,13 +323,13 @@ def test_ngpt_training_adds_the_weight_projection_callback():
 def gated_nag(**options):
     strategy = nag(angle="gate", **options)
     with torch.no_grad():  # a trained gate: the angle differs from token to token
-        strategy.gate_w.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(2))
+        strategy.angle.gate_w.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(2))
     return strategy
 
 
 def test_gated_nag_angle_comes_from_the_gate_not_the_update_size():
     strategy = gated_nag()
-    assert strategy.theta_max == 8 / 8  # its default bound: 8 / n_sublayers
+    assert strategy.bound.theta_max == 8 / 8  # its default bound: 8 / n_sublayers
     u, rho = unit_state(strategy)
     thetas = []
     for scale in (0.1, 1.0, 100.0):
@@ -327,11 +340,12 @@ def test_gated_nag_angle_comes_from_the_gate_not_the_update_size():
         torch.testing.assert_close(applied, theta, atol=1e-3, rtol=0)
         thetas.append(theta)
     assert torch.equal(thetas[0], thetas[1]) and torch.equal(thetas[1], thetas[2])  # size-blind
-    assert (thetas[0] < strategy.bound_of(2)).all()
+    assert (thetas[0] < strategy.bound.of(2)).all()
     assert thetas[0].min() < 0.7 * thetas[0].max()  # tells tokens apart
-    assert strategy.gain == 1.0  # the default gate_gain: the gate learns slowly
-    score = strategy.gain * (u @ strategy.gate_w[2]) + strategy.gate_b[2]
-    torch.testing.assert_close(thetas[0], strategy.bound_of(2) * torch.sigmoid(score).detach())
+    gate = strategy.angle
+    assert gate.gain == 1.0  # the default gate_gain: the gate learns slowly
+    score = gate.gain * (u @ gate.gate_w[2]) + gate.gate_b[2]
+    torch.testing.assert_close(thetas[0], strategy.bound.of(2) * torch.sigmoid(score).detach())
 
 
 def test_gated_nag_gate_zero_is_identity_and_options_are_checked():
@@ -341,13 +355,15 @@ def test_gated_nag_gate_zero_is_identity_and_options_are_checked():
     assert torch.equal(u_new, u) and torch.equal(rho_new, rho) and torch.equal(angle, torch.zeros(ROWS))
     with pytest.raises(ValueError, match="angle must be one of"):
         nag(angle="size")
+    with pytest.raises(ValueError, match="angle must be one of"):  # a part is named, never imported
+        nag(angle="os.path.join")
 
 
 def test_gated_nag_checkpoint_carries_its_angle():
     trained = gated_nag(gate_bias=-1.0)
     loaded = nag(angle="gate")
     loaded.load_state_dict(trained.state_dict())
-    assert loaded.angle == "gate" and torch.equal(loaded.gate_b, trained.gate_b)
+    assert loaded.angle.name == "gate" and torch.equal(loaded.angle.gate_b, trained.angle.gate_b)
     assert nag().get_extra_state()["angle"] == "gate"
     magnitude_state = nag(angle="magnitude").get_extra_state()
     with pytest.raises(ValueError, match="trained with angle=magnitude; this model was given angle=gate"):
@@ -360,8 +376,8 @@ def test_a_magnitude_checkpoint_loads_into_a_model_built_with_the_defaults():
     names it, so the model is built without the gate and writes exactly as the trained one; a
     model given angle='gate', or built with it, refuses it."""
     trained = nag(angle="magnitude", beta_init=0.4)
-    loaded = through_the_reader(trained.state_dict())
-    assert loaded.angle == "magnitude" and loaded.theta_max == 4 / 8
+    loaded = through_the_reader(flat_settings(trained))
+    assert loaded.angle.name == "magnitude" and loaded.bound.theta_max == 4 / 8
     assert not any("gate" in name for name, _ in loaded.named_parameters())
     u, rho = unit_state(loaded)
     f = sublayer_outputs(u)["random"]
@@ -391,7 +407,7 @@ def test_gated_write_runs_the_triton_kernel_as_the_reference():
         ff = f.detach().to(dev).requires_grad_()
         (u_new, rho_new), theta = strategy.write((u.to(dev), rho.to(dev)), ff, gate.to(dev), 2)
         (u_new.sum(-1) * torch.arange(ROWS, device=dev) + rho_new).sum().backward()
-        outs.append((u_new.cpu(), rho_new.cpu(), theta.cpu(), ff.grad.cpu(), strategy.gate_w.grad.cpu()))
+        outs.append((u_new.cpu(), rho_new.cpu(), theta.cpu(), ff.grad.cpu(), strategy.angle.gate_w.grad.cpu()))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
     assert outs[0][4].abs().max() > 0  # the gate learns through the write
@@ -405,11 +421,11 @@ def test_angle_cost_prices_the_gated_angle_in_training_only():
     shares = []
     for index in range(strategy.n_sublayers):
         f = sublayer_outputs(state[0])["random"]
-        shares.append(strategy.gate_angle(state[0], index).mean() / strategy.bound_of(index))
+        shares.append(strategy.planned_angle(state, index).mean() / strategy.bound.of(index))
         state, _ = strategy.write(state, f, None, index)
     torch.testing.assert_close(strategy.aux_loss(), 0.5 * torch.stack(shares).mean())
     strategy.aux_loss().backward()
-    assert (strategy.gate_b.grad > 0).all()  # descending it shrinks every sublayer's angle
+    assert (strategy.angle.gate_b.grad > 0).all()  # descending it shrinks every sublayer's angle
     unit_state(strategy)  # a new pass starts a new price
     assert strategy.aux_loss() is None
     strategy.eval()
@@ -420,9 +436,10 @@ def test_angle_cost_prices_the_gated_angle_in_training_only():
     state = unit_state(free)
     free.write(state, sublayer_outputs(state[0])["random"], None, 0)
     assert free.aux_loss() is None
-    for bad in ({"angle_cost": -0.1}, {"angle_cost": 0.1, "angle": "magnitude"}):
-        with pytest.raises(ValueError, match="angle_cost must be >= 0 and prices the gated angle only"):
-            nag(**bad)
+    with pytest.raises(ValueError, match="angle_cost must be a number >= 0"):
+        nag(angle_cost=-0.1)
+    with pytest.raises(ValueError, match="'angle_cost', which the NAG angle 'magnitude' does not take"):
+        nag(angle_cost=0.1, angle="magnitude")
 
 
 def test_angle_cost_reaches_the_training_loss():
@@ -445,19 +462,19 @@ def test_angle_cost_travels_in_checkpoints_and_a_given_one_wins():
     """A checkpoint loads with the price it was trained under; one saved before the option was
     (no key) was trained without; a price given to the model is kept, to train on under it."""
     priced = gated_nag(angle_cost=0.25)
-    assert priced.get_extra_state()["angle_cost"] == 0.25
+    assert priced.angle.get_extra_state()["angle_cost"] == 0.25
     loaded = nag()
     loaded.load_state_dict(priced.state_dict())
-    assert loaded.angle_cost == 0.25
-    before = dict(priced.state_dict())
-    before["_extra_state"] = {k: v for k, v in before["_extra_state"].items() if k != "angle_cost"}
+    assert loaded.angle.angle_cost == 0.25
+    before = flat_settings(priced)
+    del before["_extra_state"]["angle_cost"]
     old = through_the_reader(before)
-    assert old.angle_cost == 0.0
+    assert old.angle.angle_cost == 0.0
     retuned = nag(angle_cost=0.05)
     retuned.load_state_dict(priced.state_dict())
-    assert retuned.angle_cost == 0.05
-    with pytest.raises(ValueError, match="prices the gated angle only; got 0.1 with angle=.magnitude.: give"):
-        through_the_reader(nag(angle="magnitude").state_dict(), angle_cost=0.1)
+    assert retuned.angle.angle_cost == 0.05
+    with pytest.raises(ValueError, match="'angle_cost', which the NAG angle 'magnitude' does not take"):
+        through_the_reader(flat_settings(nag(angle="magnitude")), angle_cost=0.1)
 
 
 def test_gate_radial_scales_the_radial_update_by_the_gates_share_of_the_bound():
@@ -471,11 +488,11 @@ def test_gate_radial_scales_the_radial_update_by_the_gates_share_of_the_bound():
     (u_tied, rho_tied), theta_tied = tied.write((u, rho), f, None, 3)
     assert torch.equal(theta, theta_tied)
     torch.testing.assert_close(u_tied, u_free, atol=0, rtol=0)
-    torch.testing.assert_close(rho_tied - rho, (rho_free - rho) * theta / tied.bound_of(3))
+    torch.testing.assert_close(rho_tied - rho, (rho_free - rho) * theta / tied.bound.of(3))
     (u0, rho0), _ = tied.write((u, rho), f, torch.zeros(ROWS), 3)
     assert torch.equal(u0, u) and torch.equal(rho0, rho)
-    assert tied.get_extra_state()["gate_radial"] is True
-    with pytest.raises(ValueError, match="gate_radial scales the radial update by the gated angle"):
+    assert tied.angle.get_extra_state()["gate_radial"] is True
+    with pytest.raises(ValueError, match="'gate_radial', which the NAG angle 'magnitude' does not take"):
         nag(angle="magnitude", gate_radial=True)
     with pytest.raises(ValueError, match="gate_radial=True; this model was given gate_radial=False"):
         nag(gate_radial=False).load_state_dict(tied.state_dict())
@@ -494,7 +511,7 @@ def test_oracle_lanes_experiment_skips_only_the_direction(monkeypatch):
                                           residual_options={"beta_init": 0.5}))
     sublayer, strategy = model.sublayers[0], model.strategy
     with torch.no_grad():  # a trained gate: the angle differs from token to token
-        strategy.gate_w.normal_(0.0, 0.3)
+        strategy.angle.gate_w.normal_(0.0, 0.3)
     state = strategy.init_state(model.embed(torch.randint(0, 256, (2, 16))))
     h = strategy.read(state, 0)
     (u_full, rho_full), angle = strategy.write(state, sublayer.compute(h), None, 0, True)

@@ -30,7 +30,7 @@ def test_the_price_is_the_mean_planned_angle_of_the_routed_sublayers_only():
     planned = [s.planned_angle.mean() for s in priced.sublayers if s.kind == "mlp"]
     assert out.aux_loss.item() == pytest.approx(0.1 * sum(planned).item(), rel=1e-5)
     out.aux_loss.backward()
-    gate = priced.strategy.gate_w.grad
+    gate = priced.strategy.angle.gate_w.grad
     assert gate[1::2].abs().sum() > 0 and gate[0::2].abs().sum() == 0  # MLPs priced, attention not
     assert priced.sublayers[1].router.stats()["angle_price"] > 0
 

@@ -551,9 +551,9 @@ def gated_threshold(seq_len: int = T, **options) -> Transformer:
     so the angle differs from token to token (at init every token turns by theta_max / 2). The bound
     is flat, the same in every sublayer, so one tau splits each sublayer's tokens."""
     model = tiny("nag", "threshold", seq_len=seq_len, router_options={"predictor": "angle", **options},
-                 residual_options={"bound_schedule": "flat"})
+                 residual_options={"bound": "flat"})
     with torch.no_grad():
-        model.strategy.gate_w.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(3))
+        model.strategy.angle.gate_w.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(3))
     return model
 
 
@@ -604,7 +604,7 @@ def test_angle_predictor_reaches_its_target_rate_and_learns_nothing_itself():
     assert rates[0] == 0.0
     assert sum(rates[-30:]) / 30 == pytest.approx(0.25, abs=0.03)
     assert all(float(s.router.aux_loss) == 0.0 for s in model.sublayers)
-    assert model.strategy.gate_w.grad is not None  # the decisions are the gate's, which the LM trains
+    assert model.strategy.angle.gate_w.grad is not None  # the decisions are the gate's, which the LM trains
 
 
 def test_angle_predictor_generates_with_the_kv_cache_as_without():

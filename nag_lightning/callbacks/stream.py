@@ -26,6 +26,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from nag_lightning.residuals.nag import GateAngle
 from nag_lightning.tasks import FORMAT, Labelled
 
 SURVIVE = (1, 2, 4, 8)
@@ -68,8 +69,8 @@ def diagnose(model, tokens: Tensor, difficulty: Tensor) -> dict:
         row = {"kind": sub.kind, "angle_format": angle[fmt].mean().item(),
                "angle_answer": angle[ans].mean().item(),
                "norm": sub.state_norm.float().mean().item()}
-        if getattr(strategy, "angle", None) == "gate" and hasattr(strategy, "bound_of"):
-            share = angle / strategy.bound_of(i)  # NAG's gated angle, against its sublayer's bound
+        if isinstance(getattr(strategy, "angle", None), GateAngle):
+            share = angle / strategy.bound.of(i)  # NAG's gated angle, against its sublayer's bound
             row["near_zero"] = (share < 0.1).float().mean().item()
             row["near_bound"] = (share > 0.9).float().mean().item()
         for k in SURVIVE:
@@ -98,7 +99,7 @@ def gradient_norms(model) -> dict:
         grads = [p.grad.float().norm() for p in sub.compute.parameters() if p.grad is not None]
         norms.append(torch.linalg.vector_norm(torch.stack(grads)).item() if grads else 0.0)
     row = {"sublayer": norms}
-    gate = getattr(model.strategy, "gate_w", None)
+    gate = getattr(getattr(model.strategy, "angle", None), "gate_w", None)
     if gate is not None and gate.grad is not None:
         row["gate"] = gate.grad.float().norm(dim=-1).tolist()
     return row

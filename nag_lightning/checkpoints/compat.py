@@ -13,6 +13,11 @@ every reader of saved settings goes through `current_layout`. What earlier relea
   their options said otherwise); before each later setting, no key for it (`NAG_BEFORE`). A
   checkpoint of the magnitude angle whose options do not name it (it was the default then) gets it
   named, so the model is built as it trained: without the gate.
+- NAG before it was built from parts: one flat dict of settings, the gate's and the learned
+  bound's parameters on the residual itself, and options that selected families by flags
+  (`bound_schedule`, `learned_bound`, `gate_reads`, `bound` for the magnitude angle's
+  saturation). Its settings are split among the residual, its angle and its bound, its parameters
+  renamed into the parts that own them (`NAG_MOVED`), its options renamed (`current_nag_options`).
 - Configs and command lines before `model.arch`: refused with one sentence that says how to
   write them now (`refuse_older_layout`).
 - Modules that have moved since (`MOVED_MODULES`): the class paths that checkpoints, configs and
@@ -42,6 +47,13 @@ NAG_BEFORE = {"angle": "magnitude", "angle_cost": 0.0, "gate_radial": False, "ga
               "learned_bound": False, "channel_scale": False, "gate_gain": "sqrt_d", "inertia": "none",
               "bound_schedule": "flat"}
 """What a NAG checkpoint saved before a setting existed trained with: its absence means this."""
+NAG_MOVED = {"gate_w": "angle.gate_w", "gate_b": "angle.gate_b", "gate_v": "angle.gate_v",
+             "bound_logit": "bound.logit", "channel_gain": "channel.gain"}
+"""Where NAG's parameters of before the parts live now, below the strategy's prefix."""
+NAG_ANGLE_SETTINGS = {"gate": ("gate_gain", "gate_radial", "angle_cost"), "magnitude": ("bound",),
+                      "additive": ("inertia",)}
+"""The settings of the flat dict each angle of then owns now (the magnitude's `bound` is now its
+`saturation`)."""
 
 
 def architecture_fields() -> list[str]:
@@ -84,24 +96,29 @@ def upgrade_checkpoint(raw: dict) -> dict:
     if not (isinstance(saved, dict) and isinstance(state, dict)):
         return raw
     options = dict(current_layout(saved).get(ARCH, {}).get("residual_options") or {})
-    if upgrade_nag_state(state, options):
+    upgraded = upgrade_nag_state(state, options)
+    if upgraded is not None and upgraded != options:
         where = saved[ARCH] if isinstance(saved.get(ARCH), dict) else saved
-        where["residual_options"] = {**(where.get("residual_options") or {}), "angle": "magnitude"}
+        spec = where.get("residual")
+        if isinstance(spec, dict) and "class_path" in spec:  # its options move to residual_options
+            spec["init_args"] = {}
+        where["residual_options"] = upgraded
     return raw
 
 
-def upgrade_nag_state(state: dict, options: Mapping[str, Any], prefix: str = NAG_PREFIX) -> bool:
-    """Complete the saved settings of a NAG strategy (any class that keeps NAG's state, named or
-    by class path) in `state`, in place, given the checkpoint's residual `options`; other
-    strategies' states are left alone. Returns whether the checkpoint trained with the magnitude
-    angle while `options` leave the angle to the default, which is the gate now."""
+def upgrade_nag_state(state: dict, options: Mapping[str, Any], prefix: str = NAG_PREFIX) -> dict | None:
+    """Bring the saved state of a NAG strategy (any class that keeps NAG's state, named or by class
+    path) in `state` to the current format, in place, given the checkpoint's residual `options`;
+    other strategies' states, and NAG's in the current format, are left alone. Returns the options
+    to build the strategy with, in the current names (the magnitude angle named where `options`
+    leave the angle to the default, which is the gate now), or None where nothing changed."""
     import torch
 
     key = prefix + "_extra_state"
     alpha = state.get(prefix + "alpha")
     if key not in state:
         if not (torch.is_tensor(alpha) and alpha.ndim == 1 and prefix + "beta" in state):
-            return False  # not NAG's parameters
+            return None  # not NAG's parameters
         state[key] = {  # saved before the settings were
             "theta_max": _given(options, "theta_max", 2.0 / alpha.shape[0]),
             "norm_lane_readout": _given(options, "norm_lane_readout", False),
@@ -109,10 +126,51 @@ def upgrade_nag_state(state: dict, options: Mapping[str, Any], prefix: str = NAG
         }
     settings = state[key]
     if not isinstance(settings, dict) or "theta_max" not in settings:
-        return False  # another strategy's extra state
+        return None  # another strategy's extra state, or NAG's as it is saved now
     for name, value in NAG_BEFORE.items():
         settings.setdefault(name, value)
-    return settings["angle"] == "magnitude" and options.get("angle") is None
+    options = current_nag_options(options, settings["angle"])
+    if settings["angle"] == "magnitude" and options.get("angle") is None:
+        options["angle"] = "magnitude"
+    state[key], state[prefix + "angle._extra_state"], state[prefix + "bound._extra_state"] = nag_parts(settings)
+    for old, new in NAG_MOVED.items():
+        if prefix + old in state:
+            state[prefix + new] = state.pop(prefix + old)
+    return options
+
+
+def nag_parts(settings: dict) -> tuple[dict, dict, dict]:
+    """A flat dict of NAG's settings of before the parts, split into the residual's, its angle's
+    and its bound's. Values that were never valid pass on as they are, for the parts to refuse."""
+    angle, reads = settings.get("angle"), settings.get("gate_reads")
+    residual = {"angle": f"gate_{reads}" if angle == "gate" and reads != "state" else angle,
+                "bound": "learned" if settings.get("learned_bound") is True else settings.get("bound_schedule"),
+                "norm_lane_readout": settings.get("norm_lane_readout"),
+                "channel_scale": settings.get("channel_scale")}
+    if "planes" in settings:
+        residual["planes"] = settings["planes"]
+    owned = NAG_ANGLE_SETTINGS.get(angle, ()) if isinstance(angle, str) else ()
+    angle_settings = {"saturation" if name == "bound" else name: settings.get(name) for name in owned}
+    return residual, angle_settings, {"theta_max": settings.get("theta_max")}
+
+
+def current_nag_options(options: Mapping[str, Any], angle: object) -> dict:
+    """NAG's residual `options` of a checkpoint from before the parts (trained with `angle`) in the
+    current names: the flags that selected a bound or a gate become `bound` and `angle`, and the
+    magnitude angle's `bound` its `saturation` (ignored by the other angles then, dropped)."""
+    options = dict(options)
+    saturation = options.pop("bound", None)
+    if saturation is not None and angle == "magnitude":
+        options["saturation"] = saturation
+    schedule = options.pop("bound_schedule", None)
+    if options.pop("learned_bound", False) is True:
+        options["bound"] = "learned"
+    elif schedule is not None:
+        options["bound"] = schedule
+    reads = options.pop("gate_reads", None)
+    if reads is not None and reads != "state":
+        options["angle"] = f"gate_{reads}"
+    return options
 
 
 def _given(options: Mapping[str, Any], name: str, default: object) -> object:

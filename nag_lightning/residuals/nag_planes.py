@@ -21,22 +21,24 @@ import torch
 from torch import Tensor, nn
 
 from nag_kernels import nag_write
+from nag_lightning.inputs import shorten
 from nag_lightning.residuals import RESIDUALS, State
 from nag_lightning.residuals.nag import NAGResidual
 
 
 @RESIDUALS.register("nag_planes")
 class NAGPlanes(NAGResidual):
-    """NAG whose direction is `planes` unit groups of channels, each turned by its own gated angle.
+    """NAG whose direction is `planes` unit groups of channels, each turned by its own gated angle
+    within a flat bound.
 
     Args:
         d_model: width of the residual stream; a multiple of `planes`.
         n_sublayers: number of sublayers that read and write the stream.
         planes: number of channel groups, each rotated in its own plane (e.g. the head count).
         theta_max: bound on each group's angle; None means min(8 / n_sublayers, pi / 2).
-        angle_cost: the price on turning, as NAG's (mean over groups of theta_p / theta_max);
-            None means NAG's default.
-        gate_radial, norm_lane_readout, beta_init, gate_bias, kernel: as NAG's.
+        angle_cost: the price on turning, as the gate's (mean over groups of theta_p / theta_max);
+            None means the gate's default.
+        gate_radial, gate_bias: as the gate's; norm_lane_readout, beta_init, kernel: as NAG's.
     """
 
     def __init__(
@@ -54,11 +56,12 @@ class NAGPlanes(NAGResidual):
     ) -> None:
         if planes < 1 or d_model % planes:
             raise ValueError(f"planes must divide d_model = {d_model}; got {planes}.")
-        super().__init__(d_model, n_sublayers, theta_max=theta_max, angle_cost=angle_cost,
-                         gate_radial=gate_radial, norm_lane_readout=norm_lane_readout, beta_init=beta_init,
-                         gate_bias=gate_bias, kernel=kernel, bound_schedule="flat")
+        super().__init__(d_model, n_sublayers, angle="gate", bound="flat", theta_max=theta_max,
+                         norm_lane_readout=norm_lane_readout, beta_init=beta_init, kernel=kernel,
+                         angle_cost=angle_cost, gate_radial=gate_radial, gate_bias=gate_bias)
         self.planes = planes
-        self.gate_b = nn.Parameter(torch.full((n_sublayers, planes), float(gate_bias)))
+        # one bias per group; the gate's weights are already per channel
+        self.angle.gate_b = nn.Parameter(torch.full((n_sublayers, planes), float(gate_bias)))
 
     def _groups(self, x: Tensor) -> Tensor:
         """(..., d) -> (..., P, d / P)."""
@@ -74,8 +77,9 @@ class NAGPlanes(NAGResidual):
         """Each group's gated angle before any router's gate, (..., P) in fp32."""
         # √d·<w_p, u_p> with u_p of norm 1/√P here: √(d·P) makes it √d times a unit group's
         scale = math.sqrt(self.d_model * self.planes)
-        logits = (self._groups(u.float()) * self._groups(self.gate_w[index].float())).sum(-1) * scale
-        return self.theta_max * torch.sigmoid(logits + self.gate_b[index].float())
+        gate_w, gate_b = self.angle.gate_w[index], self.angle.gate_b[index]
+        logits = (self._groups(u.float()) * self._groups(gate_w.float())).sum(-1) * scale
+        return self.bound.theta_max * torch.sigmoid(logits + gate_b.float())
 
     def planned_angle(self, state: State, index: int) -> Tensor | None:
         return self._total(self.gate_angle(state[0], index))
@@ -89,28 +93,31 @@ class NAGPlanes(NAGResidual):
         self, state: State, f: Tensor, gate: Tensor | None, index: int, need_angle: bool = True
     ) -> tuple[State, Tensor | None]:
         u, rho = state
-        share = self.gate_angle(u, index) / self.theta_max  # (..., P)
+        theta_max, angle = self.bound.theta_max, self.angle
+        share = self.gate_angle(u, index) / theta_max  # (..., P)
         if gate is not None:
             share = share * gate.float().unsqueeze(-1)
         groups = self._groups(u) * math.sqrt(self.planes)  # each group unit norm
         u_new, _, theta, _ = nag_write(
             groups, self._groups(f), rho.new_zeros(share.shape), None, self.alpha[index], 0.0,
-            self.theta_max, backend=self.kernel, angle=self.theta_max * share,
+            theta_max, backend=angle.kernel, angle=theta_max * share,
         )
-        radial = share.mean(-1) if self.gate_radial else (1.0 if gate is None else gate.float())
+        radial = share.mean(-1) if angle.gate_radial else (1.0 if gate is None else gate.float())
         a = (f.float() * u.float()).sum(-1)
         rho_new = rho + radial * self.beta[index] * a / math.sqrt(self.d_model)
-        if self.angle_cost and self.training:
-            turned = share.mean(-1).sum()
-            self._turned = turned if self._turned is None else self._turned + turned
+        if angle.angle_cost and self.training:
+            angle.charge(share.mean(-1).sum())
         u_new = (u_new / math.sqrt(self.planes)).flatten(-2).to(u.dtype)
         return (u_new, rho_new), self._total(theta.detach().abs())
 
-    def check_saved(self, settings: dict) -> None:
-        super().check_saved(settings)
-        planes = settings["planes"]
-        if not isinstance(planes, int) or isinstance(planes, bool) or planes < 1 or self.d_model % planes:
-            raise ValueError(f"planes must divide d_model = {self.d_model}; got {str(planes)[:40]}.")
+    def get_extra_state(self) -> dict:
+        return {**super().get_extra_state(), "planes": self.planes}
 
-    SETTINGS = NAGResidual.SETTINGS + ("planes",)
-    STRUCTURE = NAGResidual.STRUCTURE + ("planes",)
+    def set_extra_state(self, state: object) -> None:
+        if isinstance(state, dict) and "planes" in state:
+            state = dict(state)
+            planes = state.pop("planes")
+            if planes != self.planes:  # the groups decide the gate's biases
+                raise ValueError(f"The checkpoint was trained with planes={shorten(planes)}; this model was "
+                                 f"built with planes={self.planes}: give residual_options planes={shorten(planes)}.")
+        super().set_extra_state(state)
