@@ -37,7 +37,7 @@ from nag_lightning.checkpoints.exported import (  # noqa: F401 - the format's na
     is_exported,
     read_exported,
 )
-from nag_lightning.data.tokenizer import HFTokenizer, Tokenizer, _bytes_to_unicode
+from nag_lightning.data.tokenizer_json import tokenizer_json
 from nag_lightning.inputs import output_folder
 
 
@@ -93,21 +93,6 @@ def _json_text(config: dict, source: str) -> str:
             f"The checkpoint {source} holds settings that JSON cannot write ({error}); give a "
             "checkpoint written by `nag-lightning fit`."
         ) from None
-
-
-def tokenizer_json(tokenizer: Tokenizer) -> str:
-    """A tokenizer.json for `tokenizer`: a Hugging Face tokenizer's own text, and for bytes a
-    byte-level BPE without merges whose id of each byte is its value (GPT-2's byte alphabet)."""
-    if isinstance(tokenizer, HFTokenizer):
-        return tokenizer.json_text
-    from tokenizers import Tokenizer as _Tokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
-    table = _bytes_to_unicode()
-    hf = _Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    hf.decoder = decoders.ByteLevel()
-    return hf.to_str()
 
 
 def export_checkpoint(ckpt_path: str, out: str, trust_checkpoint: bool = False) -> Path:
