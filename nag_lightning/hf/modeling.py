@@ -120,8 +120,9 @@ class NagLightningForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         """input_ids (B, T), attention_mask (B, T) 1 on real tokens, labels (B, T) the ids to
         score (-100: none; shifted here, as transformers' causal LMs do) -> logits (B, T, vocab)
-        and, with labels, the mean cross-entropy of the next token. Other keyword arguments of
-        transformers' callers (caches, output options) do not apply and are ignored."""
+        and, with labels, the mean cross-entropy of the next token (without the routers' and the
+        residual stream's auxiliary losses, which the package's training adds). Other keyword
+        arguments of transformers' callers (caches, output options) do not apply and are ignored."""
         if attention_mask is None or bool(attention_mask.all()):
             logits = self.model(input_ids).logits
         else:
