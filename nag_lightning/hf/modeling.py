@@ -26,12 +26,11 @@ from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from nag_lightning.checkpoints.exported import EXTRA_STATE
 from nag_lightning.hf.configuration import NagLightningConfig
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.model.inference import CachedDecoder
 from nag_lightning.model.kv_cache import CachedPass
-
-EXTRA_STATE = "_extra_state"  # the state-dict entry of a module's saved settings (torch's name)
 
 
 class NagLightningForCausalLM(PreTrainedModel, GenerationMixin):

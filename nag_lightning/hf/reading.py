@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from nag_lightning.checkpoints.exported import CONFIG, WEIGHTS
 from nag_lightning.checkpoints.reader import fitting_weights
 from nag_lightning.checkpoints.values import check_finite
 from nag_lightning.data.tokenizer import Tokenizer
@@ -18,7 +19,6 @@ from nag_lightning.hf.configuration import MODEL_TYPE, NagLightningConfig
 from nag_lightning.hf.llama import LLAMA, arch_from_llama, from_llama
 from nag_lightning.hf.modeling import NagLightningForCausalLM
 from nag_lightning.hf.tokenizer_files import read_tokenizer
-from nag_lightning.hf.writing import CONFIG, WEIGHTS
 from nag_lightning.model import Transformer, TransformerConfig
 
 SHARDS = "model.safetensors.index.json"  # the weights of a large folder, in several files

@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from nag_lightning.checkpoints.exported import TOKENIZER
 from nag_lightning.data.tokenizer import BYTES, HFTokenizer, Tokenizer, check_fits
 from nag_lightning.data.tokenizer_json import tokenizer_json
 from nag_lightning.inputs import shorten
 
-TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
 

@@ -17,14 +17,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from nag_lightning.checkpoints.exported import CONFIG, EXTRA_STATE, WEIGHTS
 from nag_lightning.hf.configuration import NagLightningConfig
 from nag_lightning.hf.llama import is_llama_expressible, llama_config, to_llama
 from nag_lightning.hf.modeling import NagLightningForCausalLM
 from nag_lightning.hf.tokenizer_files import write_tokenizer
 from nag_lightning.model import TransformerConfig
-
-WEIGHTS, CONFIG = "model.safetensors", "config.json"
-EXTRA_STATE = "_extra_state"
 
 
 def write_hf_files(saved, folder: Path) -> list[str]:
