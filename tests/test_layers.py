@@ -9,7 +9,8 @@ any below it, and the files of one layer may not import each other in a circle.
        data
     1  residuals, routers             the model's plugins
     2  model                          the network, plain torch.nn
-    3  callbacks, checkpoints, tasks  what training is built from
+    3  callbacks, checkpoints, tasks, what training is built from, and the Hugging Face folder
+       hf
     4  training                       the LightningModule, its optimizer and schedule, run folders
     5  analysis                       studies, sweeps, evaluation, reports
     6  cli, the package itself        the command table
@@ -35,6 +36,7 @@ LAYERS = {
     "nag_lightning.callbacks": 3,
     "nag_lightning.checkpoints": 3,
     "nag_lightning.tasks": 3,
+    "nag_lightning.hf": 3,
     "nag_lightning.training": 4,
     "nag_lightning.analysis": 5,
     "nag_lightning.cli": 6,

@@ -9,6 +9,10 @@
     DIR/tokenizer.json      the tokenizer: the Hugging Face tokenizer.json of a BPE or of a file,
                             and for bytes a byte-level tokenizer.json whose ids are the byte values
 
+`--format hf` writes a Hugging Face transformers folder instead (`nag_lightning.hf.writing`, the
+extra `hf`): a Llama checkpoint for a pre-norm model without a router, else the model type
+nag_lightning that `import nag_lightning.hf` registers; `nag_lightning.hf.read_hf` reads it back.
+
 Reading DIR (`nag_lightning.checkpoints.exported.read_exported`) parses JSON and safetensors only,
 never a pickle, into the same
 dict a checkpoint holds, so `nag_lightning.checkpoints.reader.read_saved` hands every command one
@@ -25,6 +29,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 from nag_lightning.checkpoints.exported import (  # noqa: F401 - the format's names, importable here as before
     CONFIG,
@@ -37,22 +42,62 @@ from nag_lightning.checkpoints.exported import (  # noqa: F401 - the format's na
     is_exported,
     read_exported,
 )
-from nag_lightning.data.tokenizer import HFTokenizer, Tokenizer, _bytes_to_unicode
+from nag_lightning.data.tokenizer_json import tokenizer_json
 from nag_lightning.inputs import output_folder
 
+FORMATS = (FORMAT, "hf")
+"""What `export --format` writes: the package's own folder (`FORMAT`), or a Hugging Face
+transformers folder (`nag_lightning.hf.writing`, the extra `hf`)."""
 
-def export(saved, out: str | Path) -> Path:
+
+def export(saved, out: str | Path, format: str = FORMAT) -> Path:
     """Write the checkpoint `saved` (a `SavedCheckpoint`, its plugins and weights checked by the
-    caller) as a folder `out`, which must not exist or be empty. The files are written into a
-    folder beside it and moved into place at the end: a failed export leaves nothing behind."""
-    from safetensors.torch import save_file
-
+    caller) as a folder `out` of one of `FORMATS`, which must not exist or be empty. The files are
+    written into a folder beside it and moved into place at the end: a failed export leaves
+    nothing behind."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(
             f"--out {out} already exists and is not an empty folder; give a new folder, so that "
             "nothing in it is overwritten."
         )
+    write = _writer(format)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write(saved, staging)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _writer(format: str):
+    """The function that writes a folder of `format` into an empty folder."""
+    if format == FORMAT:
+        return write_files
+    if format != "hf":
+        raise ValueError(f"--format must be one of {', '.join(FORMATS)}; got {format!r}.")
+    try:
+        from nag_lightning.hf.writing import write_hf_files
+    except ModuleNotFoundError as error:
+        if error.name != "transformers":
+            raise
+        raise ValueError(
+            "--format hf needs Hugging Face transformers; install the extra with "
+            "`pip install 'nag-lightning[hf]'`."
+        ) from None
+    return write_hf_files
+
+
+def write_files(saved, folder: Path) -> list[str]:
+    """The package's own folder of `saved` into the empty `folder`: safetensors weights,
+    config.json, tokenizer.json. Returns the files' names."""
+    from safetensors.torch import save_file
+
     weights, extra = {}, {}
     for name, value in saved.model_weights.items():
         if name.endswith(EXTRA_STATE):
@@ -70,19 +115,10 @@ def export(saved, out: str | Path) -> Path:
         "global_step": saved.global_step,
     }
     text = _json_text(config, saved.source)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
-        (staging / CONFIG).write_text(text, encoding="utf-8")
-        (staging / TOKENIZER).write_text(tokenizer_json(saved.tokenizer), encoding="utf-8")
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+    save_file(weights, str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / CONFIG).write_text(text, encoding="utf-8")
+    (folder / TOKENIZER).write_text(tokenizer_json(saved.tokenizer), encoding="utf-8")
+    return [WEIGHTS, CONFIG, TOKENIZER]
 
 
 def _json_text(config: dict, source: str) -> str:
@@ -95,22 +131,9 @@ def _json_text(config: dict, source: str) -> str:
         ) from None
 
 
-def tokenizer_json(tokenizer: Tokenizer) -> str:
-    """A tokenizer.json for `tokenizer`: a Hugging Face tokenizer's own text, and for bytes a
-    byte-level BPE without merges whose id of each byte is its value (GPT-2's byte alphabet)."""
-    if isinstance(tokenizer, HFTokenizer):
-        return tokenizer.json_text
-    from tokenizers import Tokenizer as _Tokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
-    table = _bytes_to_unicode()
-    hf = _Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    hf.decoder = decoders.ByteLevel()
-    return hf.to_str()
-
-
-def export_checkpoint(ckpt_path: str, out: str, trust_checkpoint: bool = False) -> Path:
+def export_checkpoint(
+    ckpt_path: str, out: str, trust_checkpoint: bool = False, format: Literal["nag-lightning", "hf"] = FORMAT
+) -> Path:
     """Write a checkpoint's model as a folder: safetensors weights, config.json, tokenizer.json.
 
     Args:
@@ -119,6 +142,10 @@ def export_checkpoint(ckpt_path: str, out: str, trust_checkpoint: bool = False) 
         trust_checkpoint: let a residual or router named by a class path outside the registered
             plugins be built to check the weights; the folder names it as the checkpoint does,
             and loading it asks again.
+        format: "nag-lightning", the package's own folder, which every command takes as a
+            checkpoint; or "hf", a Hugging Face transformers folder (the extra `hf`): a Llama
+            checkpoint for a pre-norm model without a router, else the model type nag_lightning,
+            which transformers loads after `import nag_lightning.hf`.
     """
     from nag_lightning.checkpoints.reader import read_saved
 
@@ -126,7 +153,7 @@ def export_checkpoint(ckpt_path: str, out: str, trust_checkpoint: bool = False) 
     saved = read_saved(ckpt_path)
     saved.check_plugins(trust_checkpoint)
     saved.transformer()  # every weight fits the model the settings describe, none is missing
-    return export(saved, out)
+    return export(saved, out, format)
 
 
 def export_command(args: list[str]) -> None:
@@ -135,4 +162,4 @@ def export_command(args: list[str]) -> None:
 
     options = function_parser(export_checkpoint, "nag-lightning export").parse_args(args)
     out = export_checkpoint(**options.as_dict())
-    print(f"wrote {out / WEIGHTS}, {out / CONFIG} and {out / TOKENIZER}")
+    print("wrote " + ", ".join(str(out / name) for name in sorted(os.listdir(out))))
