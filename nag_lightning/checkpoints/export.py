@@ -120,13 +120,11 @@ def export_checkpoint(ckpt_path: str, out: str, trust_checkpoint: bool = False) 
             plugins be built to check the weights; the folder names it as the checkpoint does,
             and loading it asks again.
     """
-    from nag_lightning.checkpoints.reader import read_saved
+    from nag_lightning.checkpoints.loading import load_model
 
     output_folder(out, "--out")  # before the checkpoint is read: one that cannot be written ends here
-    saved = read_saved(ckpt_path)
-    saved.check_plugins(trust_checkpoint)
-    saved.transformer()  # every weight fits the model the settings describe, none is missing
-    return export(saved, out)
+    # every check of a model that runs, so the folder holds one: each weight fits, none is missing
+    return export(load_model(ckpt_path, trust_checkpoint=trust_checkpoint).saved, out)
 
 
 def export_command(args: list[str]) -> None:
