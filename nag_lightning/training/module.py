@@ -326,11 +326,9 @@ class LanguageModel(L.LightningModule):
         trust_checkpoint: bool = False,
         **kwargs,
     ) -> LanguageModel:
-        """Lightning's loader, with the checkpoint treated as untrusted input, read once and checked
-        by the one loader (`nag_lightning.checkpoints.loading.load_model`): a residual or router it
-        names by a class path outside the registries is refused unless `trust_checkpoint`. Keyword
-        arguments override the saved settings, as in Lightning. The weights always load strictly
-        (`strict` False is refused): a checkpoint of this package holds every one."""
+        """Lightning's loader, the checkpoint read once and checked as untrusted input by the one
+        loader (`from_saved`): a plugin named by a class path outside the registries is refused
+        unless `trust_checkpoint`. Keyword arguments override the saved settings, as in Lightning."""
         from nag_lightning.checkpoints.reader import read_saved, refuse_full_unpickle
 
         refuse_full_unpickle(weights_only, "leave weights_only unset")
@@ -351,7 +349,8 @@ class LanguageModel(L.LightningModule):
         after every check (plugins, sizes, values, tokenizer); `trust_checkpoint` as there."""
         from nag_lightning.checkpoints.loading import load_model
 
-        loaded = load_model(saved, trust_checkpoint=trust_checkpoint, arch=kwargs.get("arch"), replaced=kwargs)
+        loaded = load_model(saved, trust_checkpoint=trust_checkpoint, arch=kwargs.get("arch"),
+                            replaced=kwargs)
         settings = {**saved.settings, **kwargs, "arch": loaded.model.cfg}
         accepted = inspect.signature(cls.__init__).parameters
         module = cls(**{k: v for k, v in settings.items() if k in accepted})
