@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from nag_lightning.analysis.evaluation.checkpoint import load_checkpoint
 from nag_lightning.analysis.evaluation.generate import generate_tokens
+from nag_lightning.checkpoints.loading import load_model
 from nag_lightning.model import Transformer, TransformerConfig
 from nag_lightning.model.inference import CachedDecoder, generate_cached
 from nag_lightning.routers.threshold import ThresholdRouter
@@ -82,7 +82,7 @@ def stdlib_texts(n: int, length: int) -> list[list[int]]:
 
 
 def mod_at_generation(args: argparse.Namespace) -> None:
-    model: Transformer = load_checkpoint(args.ckpt_path, "cpu").model.eval()
+    model: Transformer = load_model(args.ckpt_path).model
     routers = [s.router for s in model.sublayers if isinstance(s.router, ThresholdRouter)]
     if not routers:
         raise SystemExit("Part 2 needs a checkpoint trained with the threshold router.")

@@ -19,14 +19,9 @@ import json
 
 import torch
 
-from nag_lightning.analysis.evaluation.checkpoint import (
-    checkpoint_data,
-    evaluate,
-    first_batches,
-    saved_module,
-)
+from nag_lightning.analysis.evaluation.checkpoint import checkpoint_data, evaluate, first_batches
 from nag_lightning.analysis.sweeps.oracle import OracleSublayer, oracle
-from nag_lightning.checkpoints.reader import read_saved
+from nag_lightning.checkpoints.loading import load_model
 
 
 class DirectionOnlyOracle(OracleSublayer):
@@ -57,20 +52,19 @@ def main() -> None:
     parser.add_argument("--trust_data", action="store_true",
                         help="read and write the files the checkpoint's data settings name")
     args = parser.parse_args()
-    saved = read_saved(args.checkpoint)
-    module = saved_module(saved, "cpu", False)
-    if type(module.model.strategy).__name__ != "NAGResidual":
+    loaded = load_model(args.checkpoint)
+    if type(loaded.model.strategy).__name__ != "NAGResidual":
         raise SystemExit("This compares NAG's two lanes; give the checkpoint of a `nag` run.")
-    data = checkpoint_data(module, saved, use_saved_files=args.trust_data)
+    data = checkpoint_data(loaded, use_saved_files=args.trust_data)
     data.setup("fit")
     val = first_batches(data.val_dataloader(), args.val_batches)
-    model = module.model.eval()
+    model = loaded.model
     tau = tau_at_rate(model, val, args.rate)
-    dense = evaluate(model, val, token_bytes=module.token_bytes)["bpb"]
+    dense = evaluate(model, val, token_bytes=loaded.token_bytes)["bpb"]
     result = {"checkpoint": args.checkpoint, "tau": tau, "dense_bpb": dense}
     for name, kind in (("both_lanes", OracleSublayer), ("direction_only", DirectionOnlyOracle)):
         with oracle(model, tau, every_sublayer=True, kind=kind):
-            skipped = evaluate(model, val, token_bytes=module.token_bytes)
+            skipped = evaluate(model, val, token_bytes=loaded.token_bytes)
         result[f"{name}_mod_rate"] = skipped["mod_rate"]
         result[f"{name}_cost"] = skipped["bpb"] - dense
     print(json.dumps(result))

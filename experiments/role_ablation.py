@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from nag_lightning.analysis.studies.tasks import task_settings
-from nag_lightning.checkpoints.reader import load_transformer
+from nag_lightning.checkpoints.loading import load_model
 from nag_lightning.routers import Route
 from nag_lightning.tasks import build_task
 from nag_lightning.tasks.evaluation import evaluate_by_difficulty, every_token_runs, task_sequences
@@ -63,7 +63,7 @@ def ablate(run: Path, kinds: list[str], n: int, per_block: str | None = None) ->
     task, options, seq_len = task_settings(run / "version_0" / "config.yaml")
     labelled = task_sequences(task, options, n, seq_len + 1, 1000)
     roles = build_task(task, **options).roles(labelled)
-    model, _ = load_transformer(str(run / "version_0" / "checkpoints" / "last.ckpt"), "cpu", False)
+    model = load_model(str(run / "version_0" / "checkpoints" / "last.ckpt")).model
     levels = ["k1", "k2", "k3", "k4"]
 
     def row(label: str) -> None:

@@ -9,9 +9,10 @@ The package, by job: `model/` (the network and what runs it), `residuals/` and `
 plugins, found through `registry`), `data/` (text to token batches, tokenizers), `tasks/`
 (synthetic labelled data), `training/` (the LightningModule and run folders), `callbacks/`,
 `checkpoints/` (the one reader, trust and earlier formats), `analysis/` (studies, sweeps,
-evaluation and generation, reports) and `cli` (the command table). Imports only point down the
-package's layers (docs/usage.md, "Layout"; tests/test_layers.py). Module paths of earlier releases
-still import (`checkpoints.compat.MOVED_MODULES`), so the class paths saved in their checkpoints resolve.
+evaluation and generation, reports), `api` (`load`: a trained model from Python) and `cli` (the
+command table). Imports only point down the package's layers (docs/usage.md, "Layout";
+tests/test_layers.py). Module paths of earlier releases still import
+(`checkpoints.compat.MOVED_MODULES`), so the class paths saved in their checkpoints resolve.
 """
 
 from nag_lightning.checkpoints.compat import install_moved_modules
@@ -31,6 +32,8 @@ _LAZY = {
     "NAGLanguageModel": "nag_lightning.training.module",  # the name of earlier releases
     "TextDataModule": "nag_lightning.data",
     "ByteDataModule": "nag_lightning.data",  # the name of earlier releases, kept for their configs
+    "load": "nag_lightning.api",
+    "TrainedModel": "nag_lightning.api",
 }
 
 
@@ -48,5 +51,5 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "RESIDUALS", "ROUTERS", "LanguageModel", "ResidualStrategy", "Route", "Router",
-    "TextDataModule", "Transformer", "TransformerConfig",
+    "TextDataModule", "TrainedModel", "Transformer", "TransformerConfig", "load",
 ]

@@ -3,9 +3,9 @@
 `fit`, `validate`, `test` and `predict` are LightningCLI's (`nag_lightning.training.lightning_cli`),
 with the model and data module of this package and its callbacks and loggers preset. The other
 commands work around training, each a function in the layer it belongs to (`prepare` in data,
-`export` in checkpoints, `compare`, `sweep`, `generate`, `eval` and the studies in analysis), named
-by "module:function" and imported only when it runs. Every command is one entry of the table
-`COMMANDS`, and `dispatch` runs the one a command line names.
+`export` in checkpoints, `compare`, `sweep`, `generate`, `depth-map`, `eval` and the studies in
+analysis), named by "module:function" and imported only when it runs. Every command is one entry of
+the table `COMMANDS`, and `dispatch` runs the one a command line names.
 
 Bad input ends the command with one sentence on stderr and exit status 1; set
 NAG_LIGHTNING_TRACEBACK=1 to see the whole traceback instead.
@@ -70,6 +70,8 @@ COMMANDS: dict[str, Command] = {
                      "accuracy against executed compute of a checkpoint's routing, CSV and PNG"),
     "generate": Command("nag_lightning.analysis.evaluation.generate:generate_command",
                         "continue a prompt from a checkpoint, routing causally"),
+    "depth-map": Command("nag_lightning.analysis.reports.depth_map:depth_map_command",
+                         "a text's tokens against the sublayers, coloured by angle, skips marked (PNG)"),
     "export": Command("nag_lightning.checkpoints.export:export_command",
                       "a checkpoint's model as safetensors, config.json and tokenizer.json"),
     "eval": Command("nag_lightning.analysis.evaluation.lm_eval_command:eval_command",

@@ -67,13 +67,13 @@ def test_the_old_layout_reads_as_the_new_one():
 
 def test_an_old_checkpoint_loads_validates_resumes_sweeps_and_generates(old_checkpoint, tmp_path,
                                                                        capsysbinary, monkeypatch):
-    from nag_lightning.checkpoints.reader import load_transformer
+    from nag_lightning.checkpoints.loading import load_model
     from nag_lightning.training.module import LanguageModel
 
     module = LanguageModel.load_from_checkpoint(old_checkpoint)
     assert module.config.residual == "nag" and module.config.residual_options == {"theta_max": 0.25}
     assert module.config.d_model == 32 and module.config.route_kinds == ["attn", "mlp"]
-    model, _ = load_transformer(str(old_checkpoint))
+    model = load_model(str(old_checkpoint)).model
     weights = torch.load(old_checkpoint, weights_only=True)["state_dict"]
     torch.testing.assert_close(model.head.weight, weights["model.head.weight"])
     monkeypatch.chdir(tmp_path)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from nag_lightning import RESIDUALS, ROUTERS
 from nag_lightning.checkpoints.export import CONFIG, TOKENIZER, WEIGHTS, export_checkpoint
+from nag_lightning.checkpoints.loading import load_model
 from nag_lightning.checkpoints.reader import read_saved
 from nag_lightning.data.bpe_training import train_bpe
 from nag_lightning.data.tokenizer import HFTokenizer
@@ -52,7 +53,7 @@ def said_once(err: str, text: str) -> bool:
 
 def logits(saved, idx: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return saved.transformer()(idx).logits
+        return load_model(saved).model(idx).logits
 
 
 @pytest.mark.parametrize("residual", RESIDUALS.names())

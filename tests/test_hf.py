@@ -17,6 +17,7 @@ import torch
 
 from nag_lightning import RESIDUALS, ROUTERS
 from nag_lightning.checkpoints.export import export_checkpoint
+from nag_lightning.checkpoints.loading import load_model
 from nag_lightning.checkpoints.reader import read_saved
 from nag_lightning.data.bpe_training import train_bpe
 from nag_lightning.data.tokenizer import HFTokenizer
@@ -40,12 +41,12 @@ def exported(root: Path, residual: str, router: str = "none", **arch) -> tuple[P
 
 def package_logits(ckpt: Path, ids: torch.Tensor = IDS) -> torch.Tensor:
     with torch.no_grad():
-        return read_saved(ckpt).transformer()(ids).logits
+        return load_model(ckpt).model(ids).logits
 
 
 def package_continuation(ckpt: Path, prompt: str, n: int = 6) -> list[int]:
     """The package's own greedy continuation of `prompt` (its KV-cache generation)."""
-    results, _ = generate_cached(read_saved(ckpt).transformer(), [list(prompt.encode())], n)
+    results, _ = generate_cached(load_model(ckpt).model, [list(prompt.encode())], n)
     return results[0].tokens
 
 
@@ -271,3 +272,27 @@ def test_the_export_command_writes_the_folder_and_says_when_transformers_is_miss
                            "hf"], capsys)
     assert status == 1 and said_once(err, "pip install 'nag-lightning[hf]'"), err
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "nag"])
+def test_nag_lightning_load_reads_a_transformers_folder_as_its_checkpoint(tmp_path, residual):
+    """`nag_lightning.load` takes the folder `export --format hf` writes (a Llama folder for
+    pre-norm, the package's model type for NAG) and gives the checkpoint's logits and text."""
+    import nag_lightning
+
+    router = "none" if residual == "prenorm" else "threshold"
+    ckpt, folder = exported(tmp_path, residual, router)
+    from_folder, from_ckpt = nag_lightning.load(folder), nag_lightning.load(ckpt)
+    with torch.no_grad():
+        torch.testing.assert_close(from_folder.model(IDS).logits, from_ckpt.model(IDS).logits,
+                                   atol=1e-5, rtol=1e-5)
+    assert from_folder.generate(PROMPT, max_new_tokens=6) == from_ckpt.generate(PROMPT, max_new_tokens=6)
+    assert from_folder.tokenizer == from_ckpt.tokenizer
+
+
+def test_a_transformers_folder_without_weights_is_refused_in_one_sentence(tmp_path):
+    import nag_lightning
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(FileNotFoundError, match="holds no model.safetensors"):
+        nag_lightning.load(tmp_path)

@@ -18,7 +18,7 @@ import nag_lightning
 from nag_lightning.analysis.evaluation.checkpoint import evaluate
 from nag_lightning.analysis.evaluation.generate import generate
 from nag_lightning.checkpoints.export import export_checkpoint
-from nag_lightning.checkpoints.reader import read_saved
+from nag_lightning.checkpoints.loading import load_model
 from nag_lightning.data.bpe_training import train_bpe
 from nag_lightning.data.tokenizer import HFTokenizer
 from tests.helpers import run_cli, run_command
@@ -78,8 +78,8 @@ def test_rolling_bits_per_byte_equal_the_packages_own_evaluation_of_the_same_win
     results = run_eval(folder, tmp_path / "out.json", "[nag_local_rolling]", capsys)
     theirs = results["results"]["nag_local_rolling"]["bits_per_byte,none"]
 
-    saved = read_saved(folder)
-    model, tok, seq_len = saved.transformer(), saved.tokenizer, SEQ_LEN[tokenizer]
+    loaded = load_model(folder)
+    model, tok, seq_len = loaded.model, loaded.tokenizer, SEQ_LEN[tokenizer]
     rows = []
     for doc in documents("texts.jsonl"):
         stream = tok.encode(b"\n").tolist()[:1] + tok.encode(doc["text"].encode()).tolist()
@@ -102,8 +102,7 @@ def test_multiple_choice_and_generation_answer_as_the_model_does(bytes_model, tm
     package's own greedy generation of the question, cut at the first newline."""
     pytest.importorskip("lm_eval")
     results = run_eval(bytes_model, tmp_path / "out.json", "nag_local_choice,nag_local_generate", capsys)
-    saved = read_saved(bytes_model)
-    model = saved.transformer()
+    model = load_model(bytes_model).model
     docs = documents("choices.jsonl")
 
     def loglikelihood(context: str, continuation: str) -> float:

@@ -119,14 +119,15 @@ def test_a_routed_run_and_a_missing_one_get_one_sentence(runs, tmp_path, capsys,
 
 
 def test_a_sweep_of_a_task_checkpoint_runs_on_its_task(runs):
-    from nag_lightning.analysis.evaluation.checkpoint import checkpoint_data, first_batches, saved_module
+    from nag_lightning.analysis.evaluation.checkpoint import checkpoint_data, first_batches
     from nag_lightning.analysis.sweeps.sweep import sweep as sweep_checkpoint
-    from nag_lightning.checkpoints.reader import read_saved
+    from nag_lightning.checkpoints.loading import load_model
     from nag_lightning.tasks.datamodule import TaskDataModule
 
     ckpt = runs / "nag-L2-s1-full" / "version_0" / "checkpoints" / "last.ckpt"
-    saved = read_saved(ckpt)
-    data = checkpoint_data(saved_module(saved, "cpu"), saved)
+    loaded = load_model(ckpt)
+    assert loaded.task is not None and loaded.task.name == "hops" and not loaded.task.from_file
+    data = checkpoint_data(loaded)
     assert isinstance(data, TaskDataModule) and data.seq_len == 48
     assert first_batches(data.val_dataloader(), 1)[0].equal(data.val_set.tokens[:4])
     with pytest.raises(ValueError, match="drop --source, which name text"):

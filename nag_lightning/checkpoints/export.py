@@ -147,13 +147,11 @@ def export_checkpoint(
             checkpoint for a pre-norm model without a router, else the model type nag_lightning,
             which transformers loads after `import nag_lightning.hf`.
     """
-    from nag_lightning.checkpoints.reader import read_saved
+    from nag_lightning.checkpoints.loading import load_model
 
     output_folder(out, "--out")  # before the checkpoint is read: one that cannot be written ends here
-    saved = read_saved(ckpt_path)
-    saved.check_plugins(trust_checkpoint)
-    saved.transformer()  # every weight fits the model the settings describe, none is missing
-    return export(saved, out, format)
+    # every check of a model that runs, so the folder holds one: each weight fits, none is missing
+    return export(load_model(ckpt_path, trust_checkpoint=trust_checkpoint).saved, out, format)
 
 
 def export_command(args: list[str]) -> None:

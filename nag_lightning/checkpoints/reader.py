@@ -1,14 +1,14 @@
 """The one reader of `nag-lightning fit` checkpoints: a file is read once, into a `SavedCheckpoint`
-that every command builds from.
+that every model is built from (`nag_lightning.checkpoints.loading.load_model`).
 
 A checkpoint is untrusted input, and a file read twice may have changed in between (a file swapped
 after its trust check could make the second read name other code). So each command reads each
 checkpoint file exactly once (`read_saved`: `weights_only=True`, local or remote, via
-`nag_lightning.checkpoints.trust`), checks what it holds on that one object, and builds everything from it:
-the model and tokenizer (`generate`), the LightningModule and the data settings (`sweep`, the
-studies), the totals (`compare`), the step (`runs`), and Lightning's own restore
-(`PreloadedCheckpointIO` hands the Trainer the dict already read). Older layouts of the saved
-settings are read through `nag_lightning.checkpoints.settings`.
+`nag_lightning.checkpoints.trust`), checks what it holds on that one object, and builds everything
+from it: the model and tokenizer (`loading.load_model`, for every command and the module), the
+data settings (`sweep`, the studies), the totals (`compare`), the step (`runs`), and Lightning's
+own restore (`PreloadedCheckpointIO` hands the Trainer the dict already read). Older layouts of the
+saved settings are read through `nag_lightning.checkpoints.settings`.
 
 Everything inside is checked as input, not only the pickle: the saved settings must be a mapping,
 the weights a mapping of tensors whose shapes fit the model those settings describe, the step and
@@ -18,9 +18,7 @@ use them (`nag_lightning.callbacks.run_checkpoint`).
 
 A folder written by `nag-lightning export` (`export`, beside this module) is read here too, from JSON
 and safetensors, into the same dict: every command that takes a checkpoint takes such a folder.
-
-Commands that only run the model (`generate`) build it here without Lightning: importing Lightning
-takes seconds, which a command that starts, writes a line and ends should not pay.
+Which kind a path is, `formats` decides.
 """
 
 from __future__ import annotations
@@ -35,7 +33,8 @@ from typing import Any
 import torch
 
 from nag_lightning.checkpoints.compat import upgrade_checkpoint
-from nag_lightning.checkpoints.exported import is_exported, read_exported
+from nag_lightning.checkpoints.exported import read_exported
+from nag_lightning.checkpoints.formats import SavedFormat, hf_folder_not_read, saved_format
 from nag_lightning.checkpoints.settings import saved_architecture, saved_model_settings
 from nag_lightning.checkpoints.trust import check_plugins, read_checkpoint
 from nag_lightning.checkpoints.values import check_finite, check_lightning_version, check_saved_settings
@@ -114,15 +113,6 @@ class SavedCheckpoint:
         check_weights(model.state_dict(), self.model_weights, self.source)
         check_saved_settings(model, self.model_weights, self.source)
 
-    def transformer(self, device: str = "cpu") -> Transformer:
-        """The trained `Transformer`, in eval mode on `device`."""
-        self.check_weights()
-        model = Transformer(TransformerConfig(**self.arch))
-        weights = self.model_weights
-        with fitting_weights(model.state_dict(), weights, self.source):
-            model.load_state_dict(weights)
-        return model.to(device).eval()
-
 
 def refuse_full_unpickle(weights_only: bool | None, advice: str) -> None:
     """One sentence, ending in `advice`, for a load asked to unpickle a checkpoint in full."""
@@ -134,11 +124,15 @@ def refuse_full_unpickle(weights_only: bool | None, advice: str) -> None:
 
 
 def read_saved(path: str | Path) -> SavedCheckpoint:
-    """The checkpoint at `path` (a local file, a URL, or a folder of `nag-lightning export`), read
-    once and checked as plain data; one sentence (ValueError, FileNotFoundError) when it is not a
-    checkpoint of `nag-lightning fit` or an export of one."""
+    """The checkpoint at `path` (a local file, a URL, or a folder of `nag-lightning export`: which
+    one, `formats.saved_format` says), read once and checked as plain data; one sentence
+    (ValueError, FileNotFoundError) when it is not a checkpoint of `nag-lightning fit` or an
+    export of one."""
     source = str(path)
-    exported = is_exported(source)
+    kind = saved_format(source)
+    if kind is SavedFormat.HF:  # read by nag_lightning.load through nag_lightning.hf, not by the commands
+        raise hf_folder_not_read(source)
+    exported = kind is SavedFormat.EXPORT
     raw = read_exported(source) if exported else read_checkpoint(source)
     check_contents(raw, source)
     check_finite(raw["state_dict"], source)
@@ -251,28 +245,3 @@ def _weights_do_not_fit(source: str, detail: str) -> ValueError:
         f"settings describe ({detail}); give an undamaged checkpoint written by `nag-lightning fit`."
     )
 
-
-def load_transformer(
-    ckpt_path: str, device: str = "cpu", trust_checkpoint: bool = False
-) -> tuple[Transformer, dict]:
-    """The checkpoint's model, in eval mode on `device`, and its saved hyperparameters."""
-    model, saved, _ = load_transformer_and_tokenizer(ckpt_path, device, trust_checkpoint)
-    return model, saved
-
-
-def load_transformer_and_tokenizer(
-    ckpt_path: str, device: str = "cpu", trust_checkpoint: bool = False
-) -> tuple[Transformer, dict, Tokenizer]:
-    """`load_transformer`'s model and hyperparameters, and the tokenizer the checkpoint holds
-    (bytes for a checkpoint written before tokenizers were saved)."""
-    saved = read_saved(ckpt_path)
-    saved.check_plugins(trust_checkpoint)
-    tokenizer = saved.tokenizer  # checked against the vocabulary before the model is built
-    model = saved.transformer(device)
-    if model.cfg.vocab_size > tokenizer.vocab_size:  # `fit` makes them equal
-        raise ValueError(
-            f"The checkpoint {saved.source} holds a model of {model.cfg.vocab_size} token ids but a "
-            f"tokenizer of {tokenizer.vocab_size}, which cannot decode the others; give a "
-            "checkpoint written by `nag-lightning fit`, whose tokenizer fits its model."
-        )
-    return model, saved.hyper_parameters, tokenizer

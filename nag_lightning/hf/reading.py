@@ -7,12 +7,14 @@ what is missing, damaged or does not match is said in one sentence.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
-from nag_lightning.checkpoints.exported import CONFIG, WEIGHTS
-from nag_lightning.checkpoints.reader import fitting_weights
+from nag_lightning.checkpoints.exported import CONFIG, MODEL_PREFIX, WEIGHTS
+from nag_lightning.checkpoints.reader import SavedCheckpoint, fitting_weights
 from nag_lightning.checkpoints.values import check_finite
 from nag_lightning.data.tokenizer import Tokenizer
 from nag_lightning.hf.configuration import MODEL_TYPE, NagLightningConfig
@@ -59,6 +61,23 @@ def read_hf(path: str | Path, device: str = "cpu") -> tuple[Transformer, Tokeniz
     with fitting_weights(model.state_dict(), weights, source):
         model.load_state_dict(weights)
     return model.to(device).eval(), tokenizer
+
+
+def read_hf_saved(path: str | Path) -> SavedCheckpoint:
+    """The transformers folder `path` as the checkpoint an export of the same model reads as
+    (settings, weights, tokenizer; no training state), so that the one loader
+    (`nag_lightning.checkpoints.loading.load_model`) builds and checks it as it does any other."""
+    model, tokenizer = read_hf(path)
+    state_dict = {MODEL_PREFIX + name: value for name, value in model.state_dict().items()}
+    raw = {
+        "hyper_parameters": {"arch": asdict(model.cfg)},
+        "state_dict": state_dict,
+        "tokenizer": tokenizer.saved(),
+        "global_step": 0,
+        "epoch": 0,
+        "pytorch-lightning_version": version("lightning"),
+    }
+    return SavedCheckpoint(str(path), raw, exported=True)
 
 
 def _read_json(file: Path, source: str) -> dict:

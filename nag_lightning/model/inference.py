@@ -27,7 +27,7 @@ per step instead; the two agree until a sequence first reaches `seq_len` bytes.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -231,6 +231,27 @@ def generate_cached(
     `stop` (or any of a list of stops); `on_token(i, token)` is called as each token of prompt i arrives.
     The model is switched to eval mode and back. Returns the continuations and the KV cache's
     bytes at the end (see `CachedDecoder.cache_bytes`)."""
+    tokens = stream_cached(model, prompts, max_new_tokens, sampling, stop, decode)
+    while True:
+        try:
+            i, token = next(tokens)
+        except StopIteration as end:
+            return end.value
+        if on_token is not None:
+            on_token(i, token)
+
+
+def stream_cached(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: Sampling | None = None,
+    stop: bytes | list[bytes] | None = None,
+    decode: Callable[[list[int]], bytes] = bytes,
+) -> Generator[tuple[int, int], None, tuple[list[Continuation], dict[str, int]]]:
+    """`generate_cached` as an iterator: yields (i, token) as each token of prompt i arrives, and
+    returns (as `StopIteration.value`) the continuations and the KV cache's bytes. The model is in
+    eval mode while the iterator runs, and back in its own mode once it ends or is closed."""
     sampling = sampling or Sampling()
     if not prompts or any(not p for p in prompts):
         raise ValueError("A prompt is empty; give at least one character to continue.")
@@ -262,8 +283,7 @@ def generate_cached(
                 out.tokens.append(token)
                 out.executed.append(executed[b])
                 texts[b].append(token)
-                if on_token is not None:
-                    on_token(b, token)
+                yield b, token
                 # every token stands for at least one byte, so the last len(stop) tokens hold it
                 out.stopped = any(decode(out.tokens[-len(s):]).endswith(s) for s in stops)
                 if out.stopped or len(out.tokens) == max_new_tokens:

@@ -219,10 +219,10 @@ def task_sequences(task: str, task_options: dict, n: int, length: int, seed: int
 def evaluate_checkpoint(ckpt_path: str, sequences: Labelled, batch_size: int = 32, device: str = "cpu",
                         trust_checkpoint: bool = False, every_token: bool = False) -> DifficultyReport:
     """`evaluate_by_difficulty` of a `nag-lightning fit` checkpoint's model, read as untrusted input
-    (`nag_lightning.checkpoints.reader`); with `every_token`, at full depth (`every_token_runs`)."""
-    from nag_lightning.checkpoints.reader import load_transformer
+    (`nag_lightning.checkpoints.loading`); with `every_token`, at full depth (`every_token_runs`)."""
+    from nag_lightning.checkpoints.loading import load_model
 
-    model, _ = load_transformer(ckpt_path, device, trust_checkpoint)
+    model = load_model(ckpt_path, device, trust_checkpoint).model
     if len(sequences.tokens[0]) - 1 > model.cfg.seq_len:
         raise ValueError(f"The sequences have {len(sequences.tokens[0]) - 1} input tokens, more than the "
                          f"checkpoint's model.arch.seq_len = {model.cfg.seq_len}; give shorter ones.")

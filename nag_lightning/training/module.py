@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from nag_lightning.checkpoints.loading import token_byte_lengths
 from nag_lightning.checkpoints.settings import architecture_differences, check_architecture
 from nag_lightning.data import tokenizer as tokenizers
 from nag_lightning.data.tokenizer import Tokenizer
@@ -178,12 +179,7 @@ class LanguageModel(L.LightningModule):
     def set_tokenizer(self, tokenizer: Tokenizer) -> None:
         """Use `tokenizer` for bits per byte, checkpoints and generation."""
         self.tokenizer = tokenizer
-        if tokenizer.key == tokenizers.BYTES:
-            self.token_bytes = None
-            return
-        lengths = torch.zeros(max(self.config.vocab_size, tokenizer.vocab_size), dtype=torch.long)
-        lengths[: tokenizer.vocab_size] = tokenizer.byte_lengths
-        self.token_bytes = lengths.to(self.device)
+        self.token_bytes = token_byte_lengths(tokenizer, self.config.vocab_size, self.device)
 
     def _bytes(self, targets: Tensor) -> Tensor | int:
         """The bytes the target tokens stand for (their number, for bytes)."""
@@ -330,10 +326,9 @@ class LanguageModel(L.LightningModule):
         trust_checkpoint: bool = False,
         **kwargs,
     ) -> LanguageModel:
-        """Lightning's loader, with the checkpoint treated as untrusted input and read once
-        (`nag_lightning.checkpoints.reader.read_saved`): a residual or router it names by a class path
-        outside the registries is refused unless `trust_checkpoint`. Keyword arguments override
-        the saved settings, as in Lightning."""
+        """Lightning's loader, the checkpoint read once and checked as untrusted input by the one
+        loader (`from_saved`): a plugin named by a class path outside the registries is refused
+        unless `trust_checkpoint`. Keyword arguments override the saved settings, as in Lightning."""
         from nag_lightning.checkpoints.reader import read_saved, refuse_full_unpickle
 
         refuse_full_unpickle(weights_only, "leave weights_only unset")
@@ -341,23 +336,27 @@ class LanguageModel(L.LightningModule):
             raise ValueError(
                 "hparams_file is not read: a checkpoint of `nag-lightning fit` holds its settings."
             )
-        saved = read_saved(checkpoint_path)
-        saved.check_plugins(trust_checkpoint, replaced=kwargs)
-        module = cls.from_saved(saved, strict=strict is not False, **kwargs)
+        if strict is False:
+            raise ValueError("strict=False is not supported: a checkpoint of `nag-lightning fit` "
+                             "holds every weight of its model; leave strict unset.")
+        module = cls.from_saved(read_saved(checkpoint_path), trust_checkpoint, **kwargs)
         return module if map_location is None else module.to(map_location)
 
     @classmethod
-    def from_saved(cls, saved, strict: bool = True, **kwargs) -> LanguageModel:
-        """The module a `nag_lightning.checkpoints.reader.SavedCheckpoint` holds (its plugins checked by
-        the caller), built from that one read: its settings, `kwargs` on top, its tokenizer and
-        weights."""
-        settings = {**saved.settings, **kwargs}
+    def from_saved(cls, saved, trust_checkpoint: bool = False, **kwargs) -> LanguageModel:
+        """The module a `nag_lightning.checkpoints.reader.SavedCheckpoint` holds: its settings,
+        `kwargs` on top, and the model and tokenizer that `load_model` builds from that one read,
+        after every check (plugins, sizes, values, tokenizer); `trust_checkpoint` as there."""
+        from nag_lightning.checkpoints.loading import load_model
+
+        loaded = load_model(saved, trust_checkpoint=trust_checkpoint, arch=kwargs.get("arch"),
+                            replaced=kwargs)
+        settings = {**saved.settings, **kwargs, "arch": loaded.model.cfg}
         accepted = inspect.signature(cls.__init__).parameters
-        arch = settings.get("arch")
-        saved.check_weights(asdict(arch) if isinstance(arch, TransformerConfig) else arch)
         module = cls(**{k: v for k, v in settings.items() if k in accepted})
-        module.on_load_checkpoint(saved.raw)
-        module.load_state_dict(saved.state_dict, strict=strict)
+        # the loaded model in place of the freshly initialised one the constructor built
+        module.model = loaded.model.train()
+        module.set_tokenizer(loaded.tokenizer)
         return module
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

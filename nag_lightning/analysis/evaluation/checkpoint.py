@@ -1,4 +1,4 @@
-"""A trained model evaluated on its own data: checkpoint, data module, batches, loss and routing.
+"""A trained model evaluated on its own data: data module, batches, loss and routing.
 
 What the sweep and the studies share. `evaluate` runs the model as it is set up (its routers at
 their settings, or under `oracle.oracle`) and reads the counts of
@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,41 +21,25 @@ from nag_lightning.model import Transformer
 from nag_lightning.model.flops import count_model
 
 if TYPE_CHECKING:
-    from nag_lightning.checkpoints.reader import SavedCheckpoint
+    from nag_lightning.checkpoints.loading import LoadedModel
 
 DATA_OPTIONS = ("source", "cache_dir", "batch_size", "max_bytes", "val_fraction", "tokenizer")
 """The data module settings a checkpoint's run is evaluated with again."""
 
 
-def load_checkpoint(ckpt_path: str | Path, device: str, trust_checkpoint: bool = False):
-    """The `LanguageModel` of a checkpoint, in eval mode on `device`, read once as untrusted
-    input (`nag_lightning.checkpoints.reader`)."""
-    from nag_lightning.checkpoints.reader import read_saved
-
-    return saved_module(read_saved(ckpt_path), device, trust_checkpoint)
-
-
-def saved_module(saved: SavedCheckpoint, device: str, trust_checkpoint: bool = False):
-    """The `LanguageModel` of a checkpoint already read, its plugins checked
-    (`nag_lightning.checkpoints.trust`), in eval mode on `device`."""
-    from nag_lightning.training.module import LanguageModel
-
-    saved.check_plugins(trust_checkpoint)
-    return LanguageModel.from_saved(saved).to(device).eval()
-
-
-def checkpoint_data(module, saved: SavedCheckpoint, use_saved_files: bool = False, **overrides):
-    """A `TextDataModule` with the data settings the checkpoint's run saved, `overrides` (not None)
-    on top, prepared; one sentence if its tokenizer differs from the checkpoint's. A run on a
-    synthetic task gets its task instead (`task_data`).
+def checkpoint_data(loaded: LoadedModel, use_saved_files: bool = False, **overrides):
+    """A `TextDataModule` with the data settings the run of `loaded` (`load_model`'s) saved,
+    `overrides` (not None) on top, prepared; one sentence if its tokenizer differs from the
+    checkpoint's. A run on a synthetic task gets its task instead (`task_data`).
 
     Saved settings that name files (`saved_file_settings`) are untrusted: they are used only with
     `use_saved_files` (the user's --trust_checkpoint, or a study evaluating runs it trained), else
     refused in one sentence that shows them."""
     from nag_lightning.data import TextDataModule
 
-    if str(saved.data.get("_class_path", "")).endswith(".TaskDataModule"):
-        return task_data(module, saved, use_saved_files, **overrides)
+    saved, tokenizer, seq_len = loaded.saved, loaded.tokenizer, loaded.model.cfg.seq_len
+    if loaded.task is not None:
+        return task_data(loaded, use_saved_files, **overrides)
     options = {k: v for k, v in saved.data.items() if k in DATA_OPTIONS}
     options.update({k: v for k, v in overrides.items() if v is not None})
     named = saved_file_settings(saved.data, overrides)
@@ -69,10 +52,10 @@ def checkpoint_data(module, saved: SavedCheckpoint, use_saved_files: bool = Fals
             + (f"give {flags} yourself (e.g. the values above, if they are yours), or " if flags else "")
             + "pass --trust_checkpoint to use the saved ones."
         )
-    data = TextDataModule(seq_len=module.config.seq_len, **options)
-    if data.tokenizer != module.tokenizer:
+    data = TextDataModule(seq_len=seq_len, **options)
+    if data.tokenizer != tokenizer:
         raise ValueError(
-            f"The checkpoint {saved.source} was trained on tokens of {module.tokenizer.describe()}, "
+            f"The checkpoint {saved.source} was trained on tokens of {tokenizer.describe()}, "
             f"but its data would now be tokenized with {data.tokenizer.describe()}; give the "
             "source and cache_dir it was trained with."
         )
@@ -84,13 +67,14 @@ TASK_OPTIONS = ("task", "task_options", "batch_size", "seed", "val_sequences", "
 """The settings of a `TaskDataModule` a checkpoint's run is evaluated with again."""
 
 
-def task_data(module, saved: SavedCheckpoint, use_saved_files: bool = False, **overrides):
+def task_data(loaded: LoadedModel, use_saved_files: bool = False, **overrides):
     """The `TaskDataModule` of a run on a synthetic task, with the settings it saved: its training
     stream and validation sequences as it saw them. Without this the run's saved settings, none of
     them a text option, would give the default `TextDataModule`, whose text the model never saw.
     Only `batch_size` may be overridden; a JSONL `file` is read only with `use_saved_files`."""
     from nag_lightning.tasks.datamodule import TaskDataModule
 
+    saved = loaded.saved
     options = {k: v for k, v in saved.data.items() if k in TASK_OPTIONS}
     text = [f"--{k}" for k, v in overrides.items() if v is not None and k != "batch_size"]
     if text:
@@ -101,7 +85,7 @@ def task_data(module, saved: SavedCheckpoint, use_saved_files: bool = False, **o
                          "and a checkpoint may come from anyone; pass --trust_checkpoint if it is yours.")
     if overrides.get("batch_size") is not None:
         options["batch_size"] = overrides["batch_size"]
-    return TaskDataModule(seq_len=module.config.seq_len, **options)
+    return TaskDataModule(seq_len=loaded.model.cfg.seq_len, **options)
 
 
 def saved_file_settings(saved: dict, overrides: dict) -> dict:

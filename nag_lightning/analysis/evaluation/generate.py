@@ -200,12 +200,13 @@ def generate(
         on_bytes: called as on_bytes(i, data) with the bytes of each token of prompt i as it
             arrives.
     """
-    from nag_lightning.checkpoints.reader import load_transformer_and_tokenizer
+    from nag_lightning.checkpoints.loading import load_model
 
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
     check_generate_options(texts, max_new_tokens, device, seed)
     # without Lightning: starts at once
-    model, _, tokenizer = load_transformer_and_tokenizer(ckpt_path, device, trust_checkpoint)
+    loaded = load_model(ckpt_path, device, trust_checkpoint)
+    model, tokenizer = loaded.model, loaded.tokenizer
     prompts = [tokenizer.encode(os.fsencode(text)).tolist() for text in texts]
     stop_bytes = None if stop is None else os.fsencode(stop)
     decoders = [StreamDecoder(tokenizer) for _ in texts]

@@ -34,7 +34,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from nag_lightning.analysis.checks import check_device
-from nag_lightning.checkpoints.reader import load_transformer_and_tokenizer
+from nag_lightning.checkpoints.loading import load_model
 from nag_lightning.model.inference import Sampling, generate_cached
 
 MAX_GEN_TOKS = 256  # lm-eval's usual default for `generate_until`
@@ -62,7 +62,8 @@ class NagLM(TemplateLM):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         check_device(device)
         self.batch_size = _batch_size(batch_size)
-        self.model, _, self.tok = load_transformer_and_tokenizer(str(ckpt), device, trust_checkpoint)
+        loaded = load_model(str(ckpt), device, trust_checkpoint)
+        self.model, self.tok = loaded.model, loaded.tokenizer
         self.seq_len = self.model.cfg.seq_len
         self._device = torch.device(device)
         if prefix_token is None:

@@ -144,18 +144,12 @@ def held_out_bpb(ckpt: Path, batches: int, trust_checkpoint: bool = False) -> tu
     reports."""
     import torch
 
-    from nag_lightning.analysis.evaluation.checkpoint import (
-        checkpoint_data,
-        evaluate,
-        first_batches,
-        saved_module,
-    )
-    from nag_lightning.checkpoints.reader import read_saved
+    from nag_lightning.analysis.evaluation.checkpoint import checkpoint_data, evaluate, first_batches
+    from nag_lightning.checkpoints.loading import load_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    saved = read_saved(ckpt)
-    module = saved_module(saved, device, trust_checkpoint)
-    data = checkpoint_data(module, saved, use_saved_files=True)  # a run the study trained itself
+    loaded = load_model(ckpt, device, trust_checkpoint)
+    data = checkpoint_data(loaded, use_saved_files=True)  # a run the study trained itself
     data.setup("validate")
     val = first_batches(data.val_dataloader(), batches)
     half = len(val) // 2
@@ -164,7 +158,7 @@ def held_out_bpb(ckpt: Path, batches: int, trust_checkpoint: bool = False) -> tu
             f"The validation split of {ckpt} holds {len(val)} batch; the selection and the "
             "report need one each: give more text or a smaller data.batch_size."
         )
-    return tuple(evaluate(module.model, part, token_bytes=module.token_bytes)["bpb"]
+    return tuple(evaluate(loaded.model, part, token_bytes=loaded.token_bytes)["bpb"]
                  for part in (val[:half], val[half:2 * half]))
 
 

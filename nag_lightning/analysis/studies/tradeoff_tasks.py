@@ -75,17 +75,16 @@ def sweep_run(run: Path, eval_sequences: int, eval_seed: int, fit_batches: int, 
     """The rows of one run: each level as trained, then at every tau of the sweep."""
     import torch
 
-    from nag_lightning.analysis.evaluation.checkpoint import checkpoint_data, first_batches, saved_module
+    from nag_lightning.analysis.evaluation.checkpoint import checkpoint_data, first_batches
     from nag_lightning.analysis.sweeps.sweep import routing_at, sweep_routers, sweep_values
-    from nag_lightning.checkpoints.reader import read_saved
+    from nag_lightning.checkpoints.loading import load_model
     from nag_lightning.model.flops import full_depth_forward_flops
     from nag_lightning.registry import plugin_name
     from nag_lightning.tasks.evaluation import evaluate_by_difficulty, task_sequences
 
     task, options, seq_len = task_settings(run / "version_0" / "config.yaml")
-    saved = read_saved(run / "version_0" / "checkpoints" / "last.ckpt")
-    module = saved_module(saved, device, trust_checkpoint)
-    model = module.model
+    loaded = load_model(run / "version_0" / "checkpoints" / "last.ckpt", device, trust_checkpoint)
+    model = loaded.model
     sequences = task_sequences(task, options, eval_sequences, seq_len + 1, eval_seed)
     dense = full_depth_forward_flops(model.cfg, seq_len) / seq_len
     rows: list[dict] = []
@@ -99,7 +98,7 @@ def sweep_run(run: Path, eval_sequences: int, eval_seed: int, fit_batches: int, 
     add(FULL, None)
     # the probes learn from the run's own training stream, as `sweep` fits them; a task file the
     # run names is read only when the user trusts the runs' folder (the folder may be anyone's)
-    data = checkpoint_data(module, saved, use_saved_files=trust_checkpoint)
+    data = checkpoint_data(loaded, use_saved_files=trust_checkpoint)
     fit = first_batches(data.train_dataloader(), fit_batches)
     torch.manual_seed(0)  # the probes' initialisation: `sweep`'s default seed
     routers, adapter = sweep_routers(model, fit, None, fit_lr, router_options)

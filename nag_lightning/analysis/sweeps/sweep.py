@@ -23,29 +23,33 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import urlparse
 
 import torch
 from torch import Tensor
 
 from nag_lightning.analysis.checks import check_at_least_one, check_device, check_not_empty, check_seed
-from nag_lightning.analysis.evaluation.checkpoint import (
-    checkpoint_data,
-    evaluate,
-    first_batches,
-    saved_module,
-)
+from nag_lightning.analysis.evaluation.checkpoint import checkpoint_data, evaluate, first_batches
 from nag_lightning.analysis.sweeps.oracle import oracle as oracle_of
 from nag_lightning.analysis.sweeps.probes import attach_sweep_routers, fit_probes
 from nag_lightning.analysis.sweeps.report import ORACLE, SweepRow, plot, report, write_csv
 from nag_lightning.analysis.sweeps.sweepable import RouterSweep, sweep_of
-from nag_lightning.checkpoints.reader import read_saved
+from nag_lightning.checkpoints.loading import load_model
 from nag_lightning.checkpoints.trust import is_remote
 from nag_lightning.inputs import output_folder
 from nag_lightning.model import SUBLAYER_KINDS, Transformer
 from nag_lightning.model.flops import full_depth_forward_flops
 from nag_lightning.registry import plugin_name
 from nag_lightning.routers import Router
+
+
+class Trained(Protocol):
+    """What the sweep needs of a trained model: the network, and the bytes each token id stands
+    for (None: one byte each), which turn its loss into bits per byte."""
+
+    model: Transformer
+    token_bytes: Tensor | None
 
 
 def routed_routers(model: Transformer) -> list[Router]:
@@ -75,7 +79,7 @@ def read_inputs(model: Transformer, routers: list[Router], batch: Tensor) -> lis
 
 
 def run_sweep(
-    module,
+    trained: Trained,
     val_batches: list[Tensor],
     fit_batches: list[Tensor] | None,
     taus: list[float] | None = None,
@@ -86,11 +90,12 @@ def run_sweep(
     values: list[float] | None = None,
     router_options: dict | None = None,
 ) -> list[SweepRow]:
-    """Evaluate a trained `LanguageModel` over routing settings; see the module docstring.
+    """Evaluate a trained model (a `LoadedModel` or a `LanguageModel`) over routing settings; see
+    the module docstring.
     The values swept are `values`, else `taus` for a setting named tau, `capacities` for one named
     capacity, else the router's defaults (`Sweepable.default_sweep_values`). `router_options` go to
     the routers attached to a model trained without one."""
-    model: Transformer = module.model
+    model: Transformer = trained.model
     routers, adapter = sweep_routers(model, fit_batches, route_kinds, fit_lr, router_options)
     setting = adapter.setting
     swept = plugin_name(type(routers[0]))
@@ -99,7 +104,7 @@ def run_sweep(
     rows: list[SweepRow] = []
 
     def add(method: str, value: float) -> None:
-        result = evaluate(model, val_batches, token_bytes=module.token_bytes)
+        result = evaluate(model, val_batches, token_bytes=trained.token_bytes)
         rows.append(SweepRow(
             method=method, setting=setting, value=value, mod_rate=result["mod_rate"],
             flops_per_token=result["flops_per_token"],
@@ -241,19 +246,18 @@ def sweep(
                         seed=seed, values=values, taus=taus, capacities=capacities,
                         route_kinds=route_kinds)
     out = output_folder(out_dir if out_dir is not None else default_out_dir(ckpt_path), "--out_dir")
-    saved = read_saved(ckpt_path)  # the one read of the file
-    module = saved_module(saved, device, trust_checkpoint)
-    data = checkpoint_data(module, saved, trust_checkpoint or own_run, source=source,
+    loaded = load_model(ckpt_path, device, trust_checkpoint)  # the one read and check of the file
+    data = checkpoint_data(loaded, trust_checkpoint or own_run, source=source,
                            cache_dir=cache_dir, batch_size=batch_size, max_bytes=max_bytes)
     data.setup("fit")
     val = first_batches(data.val_dataloader(), val_batches)
-    trained_routed = any(s.routed for s in module.model.sublayers)
+    trained_routed = any(s.routed for s in loaded.model.sublayers)
     fit = None if trained_routed else first_batches(data.train_dataloader(), fit_batches)
     torch.manual_seed(seed)
-    rows = run_sweep(module, val, fit, taus, capacities, route_kinds, fit_lr, oracle, values, router_options)
-    cfg = module.config
+    rows = run_sweep(loaded, val, fit, taus, capacities, route_kinds, fit_lr, oracle, values, router_options)
+    cfg = loaded.model.cfg
     title = f"{_name(cfg.residual)}, router {_name(cfg.router)}, {len(val)} val batches"
-    adapter = sweepable(type(routed_routers(module.model)[0]))
+    adapter = sweepable(type(routed_routers(loaded.model)[0]))
     as_trained = () if adapter.baseline is None else (adapter.baseline,)
     return {"csv": write_csv(rows, out / "sweep.csv"),
             "png": plot(rows, out / "sweep.png", title, trained_routed, as_trained, adapter.labels)}

@@ -176,6 +176,10 @@ class NAGResidual(ResidualStrategy):
                                                  self.bound)
         return (u_new, rho_new), theta.detach().abs()
 
+    def bound_of(self, index: int) -> float | Tensor:
+        """Sublayer `index`'s bound on the angle it may turn a token by, in radians."""
+        return self.bound.of(index)
+
     @property
     def plans_angle(self) -> bool:
         return self.angle.plans
