@@ -14,6 +14,10 @@ arXiv 2402.09268). f is one cycle through all the letters, so for k < n_nodes th
 the query itself and is uniform over the other letters: a permutation with short cycles would
 return to the query after a few hops, a guess a shallow model learns (f^4(x) = x for every letter
 on a cycle of length 1, 2 or 4), and any other function collapses chains onto its fixed points.
+On a cycle of n letters k hops forward land where n - k hops backward do, and a backward hop is
+one look-up as well (find x among the targets, read its source), so hop counts stay at most
+n_nodes / 2: no shorter chain, either way round, reaches the answer. Hop counts above 9 are written
+as one base-36 digit ('A' is 10), so every query keeps its five tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from nag_lightning.tasks import FORMAT, TASKS, UNPREDICTABLE, Labelled, Task
 
 _QUERY = 5  # letter, hop count, '=', answer, ';'
+_HOP_DIGITS = torch.tensor([ord(c) for c in "0123456789ABCD"])  # k hops print as _HOP_DIGITS[k]
 
 
 @TASKS.register("hops")
@@ -31,15 +36,19 @@ class PointerChasing(Task):
 
     Args:
         n_nodes: letters in the permutation (2 to 26).
-        max_hops: the largest hop count k asked (1 to 9); every query draws k uniformly from
-            1..max_hops.
+        max_hops: the largest hop count k asked (1 to n_nodes // 2, so at most 13); every query
+            draws k uniformly from 1..max_hops.
     """
 
     def __init__(self, n_nodes: int = 16, max_hops: int = 8) -> None:
         if not 2 <= n_nodes <= 26:
             raise ValueError(f"hops: n_nodes must be between 2 and 26 (one letter each); got {n_nodes}.")
-        if not 1 <= max_hops <= 9:
-            raise ValueError(f"hops: max_hops must be between 1 and 9 (one digit each); got {max_hops}.")
+        if not 1 <= max_hops <= n_nodes // 2:
+            raise ValueError(
+                f"hops: max_hops must be between 1 and n_nodes // 2 = {n_nodes // 2}: on a cycle of "
+                f"{n_nodes} letters, k hops forward are {n_nodes} - k hops backward, so a larger count is "
+                f"not harder; got {max_hops}. Raise n_nodes (up to 26) or lower max_hops."
+            )
         self.n_nodes, self.max_hops = n_nodes, max_hops
         self.max_difficulty = max_hops
 
@@ -64,7 +73,7 @@ class PointerChasing(Task):
             moved = perm.gather(1, answer)
             answer = torch.where(hops >= step, moved, answer)
         query = torch.stack([
-            start + a, hops + ord("0"), torch.full_like(start, ord("=")), answer + a,
+            start + a, _HOP_DIGITS[hops], torch.full_like(start, ord("=")), answer + a,
             torch.full_like(start, ord(";")),
         ], 2)
         query_labels = torch.stack([
