@@ -11,7 +11,7 @@ from nag_lightning.tasks import FORMAT, TASKS, UNPREDICTABLE, Labelled, build_ta
 from nag_lightning.tasks.state import _elements
 
 SETTINGS = [("hops", {"n_nodes": 10, "max_hops": 5}), ("hops", {}), ("hops", {"n_nodes": 26, "max_hops": 13}),
-            ("state", {"group": "S3", "max_len": 6}),
+            ("hops", {"n_nodes": 26, "max_hops": 13, "mix": "harmonic"}),             ("state", {"group": "S3", "max_len": 6}),
             ("state", {"group": "A5", "max_len": 8}), ("state", {})]
 IDS = [f"{name}-{'-'.join(map(str, options.values())) or 'default'}" for name, options in SETTINGS]
 
@@ -79,10 +79,11 @@ def test_hops_answers_follow_the_printed_table():
     assert hops_seen == {1, 2, 3, 4, 5}
 
 
-def test_long_hops_need_exactly_k_steps_either_way_round():
+@pytest.mark.parametrize("mix", ["uniform", "harmonic"])
+def test_long_hops_need_exactly_k_steps_either_way_round(mix):
     """With 26 letters and up to 13 hops (the depth study's setting), the answer is k hops forward
     and no fewer hops forward or backward: no shorter chain reaches it."""
-    batch = sample("hops", {"n_nodes": 26, "max_hops": 13}, n=32, length=128)
+    batch = sample("hops", {"n_nodes": 26, "max_hops": 13, "mix": mix}, n=64, length=128)
     hops_seen = set()
     for tokens, labels in zip(batch.tokens.tolist(), batch.difficulty.tolist()):
         table, queries = _hops_episodes(bytes(tokens), labels, 26)
@@ -95,6 +96,15 @@ def test_long_hops_need_exactly_k_steps_either_way_round():
             assert forward == answer
             hops_seen.add(hops)
     assert hops_seen == set(range(1, 14))
+
+
+@pytest.mark.parametrize(("mix", "share"), [("uniform", lambda k: 1 / 13),
+                                             ("harmonic", lambda k: (1 / k) / sum(1 / j for j in range(1, 14)))])
+def test_hop_counts_follow_the_mix(mix, share):
+    labels = sample("hops", {"n_nodes": 26, "max_hops": 13, "mix": mix}, n=2000, length=128).difficulty
+    answers = labels[labels >= 1]
+    for k in (1, 2, 13):
+        assert (answers == k).float().mean().item() == pytest.approx(share(k), rel=0.1), k
 
 
 def _product(group: str, letters: bytes, first: int) -> int:
@@ -160,6 +170,8 @@ def test_bad_task_options_get_one_sentence():
         build_task("hops", n_nodes=40)
     with pytest.raises(ValueError, match=r"max_hops must be between 1 and n_nodes // 2 = 4: .* got 5"):
         build_task("hops", n_nodes=8, max_hops=5)
+    with pytest.raises(ValueError, match="mix must be one of uniform, harmonic; got 'easy'"):
+        build_task("hops", mix="easy")
     with pytest.raises(ValueError, match="group must be one of"):
         build_task("state", group="S9")
     with pytest.raises(ValueError, match="does not take these options"):
