@@ -10,7 +10,8 @@ import torch
 from nag_lightning.tasks import FORMAT, TASKS, UNPREDICTABLE, Labelled, build_task
 from nag_lightning.tasks.state import _elements
 
-SETTINGS = [("hops", {"n_nodes": 8, "max_hops": 5}), ("hops", {}), ("state", {"group": "S3", "max_len": 6}),
+SETTINGS = [("hops", {"n_nodes": 10, "max_hops": 5}), ("hops", {}), ("hops", {"n_nodes": 26, "max_hops": 13}),
+            ("hops", {"n_nodes": 26, "max_hops": 13, "mix": "harmonic"}),             ("state", {"group": "S3", "max_len": 6}),
             ("state", {"group": "A5", "max_len": 8}), ("state", {})]
 IDS = [f"{name}-{'-'.join(map(str, options.values())) or 'default'}" for name, options in SETTINGS]
 
@@ -56,25 +57,54 @@ def _hops_episodes(text: bytes, labels: list[int], n_nodes: int):
     while position + 5 <= len(text) and text[position] != ord(" "):
         query, hops, equals, answer, end = text[position:position + 5]
         assert (chr(equals), chr(end)) == ("=", ";")
-        assert labels[position:position + 5] == [UNPREDICTABLE, UNPREDICTABLE, FORMAT, int(chr(hops)), FORMAT]
-        found.append((chr(query), int(chr(hops)), chr(answer)))
+        k = int(chr(hops), 36)  # one base-36 digit: 'A' is 10 hops
+        assert labels[position:position + 5] == [UNPREDICTABLE, UNPREDICTABLE, FORMAT, k, FORMAT]
+        found.append((chr(query), k, chr(answer)))
         position += 5
     assert set(text[position:]) <= {ord(" ")} and set(labels[position:]) <= {FORMAT}
     return table, found
 
 
 def test_hops_answers_follow_the_printed_table():
-    batch = sample("hops", {"n_nodes": 8, "max_hops": 5}, n=32)
+    batch = sample("hops", {"n_nodes": 10, "max_hops": 5}, n=32)
     hops_seen = set()
     for tokens, labels in zip(batch.tokens.tolist(), batch.difficulty.tolist()):
-        table, queries = _hops_episodes(bytes(tokens), labels, 8)
-        assert len(queries) == (257 - 17) // 5
+        table, queries = _hops_episodes(bytes(tokens), labels, 10)
+        assert len(queries) == (257 - 21) // 5
         for letter, hops, answer in queries:
             for _ in range(hops):
                 letter = table[letter]
             assert letter == answer
             hops_seen.add(hops)
     assert hops_seen == {1, 2, 3, 4, 5}
+
+
+@pytest.mark.parametrize("mix", ["uniform", "harmonic"])
+def test_long_hops_need_exactly_k_steps_either_way_round(mix):
+    """With 26 letters and up to 13 hops (the depth study's setting), the answer is k hops forward
+    and no fewer hops forward or backward: no shorter chain reaches it."""
+    batch = sample("hops", {"n_nodes": 26, "max_hops": 13, "mix": mix}, n=64, length=128)
+    hops_seen = set()
+    for tokens, labels in zip(batch.tokens.tolist(), batch.difficulty.tolist()):
+        table, queries = _hops_episodes(bytes(tokens), labels, 26)
+        inverse = {target: source for source, target in table.items()}
+        for letter, hops, answer in queries:
+            forward = backward = letter
+            for _ in range(hops):
+                assert answer not in (forward, backward), f"{hops} hops from {letter} reached sooner"
+                forward, backward = table[forward], inverse[backward]
+            assert forward == answer
+            hops_seen.add(hops)
+    assert hops_seen == set(range(1, 14))
+
+
+@pytest.mark.parametrize(("mix", "share"), [("uniform", lambda k: 1 / 13),
+                                             ("harmonic", lambda k: (1 / k) / sum(1 / j for j in range(1, 14)))])
+def test_hop_counts_follow_the_mix(mix, share):
+    labels = sample("hops", {"n_nodes": 26, "max_hops": 13, "mix": mix}, n=2000, length=128).difficulty
+    answers = labels[labels >= 1]
+    for k in (1, 2, 13):
+        assert (answers == k).float().mean().item() == pytest.approx(share(k), rel=0.1), k
 
 
 def _product(group: str, letters: bytes, first: int) -> int:
@@ -138,6 +168,10 @@ def test_every_registered_task_has_answers_up_to_its_hardest_level():
 def test_bad_task_options_get_one_sentence():
     with pytest.raises(ValueError, match="n_nodes must be between 2 and 26"):
         build_task("hops", n_nodes=40)
+    with pytest.raises(ValueError, match=r"max_hops must be between 1 and n_nodes // 2 = 4: .* got 5"):
+        build_task("hops", n_nodes=8, max_hops=5)
+    with pytest.raises(ValueError, match="mix must be one of uniform, harmonic; got 'easy'"):
+        build_task("hops", mix="easy")
     with pytest.raises(ValueError, match="group must be one of"):
         build_task("state", group="S9")
     with pytest.raises(ValueError, match="does not take these options"):
