@@ -34,9 +34,11 @@ from collections.abc import Callable
 
 import torch
 
-MIN_ELEMENTS = 1 << 16
-"""Writes of fewer elements (rows x d) run the reference: below it, a model trains too briefly
-for the one-time compilation to pay."""
+MIN_ELEMENTS = 1 << 19
+"""Writes of fewer elements (rows x d) run the reference: compiling costs about 30 s of CPU with a
+cold cache, and below this size the fused write saves too little per step to repay it in a run
+of the package's CPU recipes (the quickstart's 2048 rows of 128: about 5% of a 600-step run's
+steps, some 7 s; docs/benchmarks.md, "What a user waits for first")."""
 
 INDUCTOR_OPTIONS = {"realize_reads_threshold": 1}
 """Store every per-row number that a full-width loop reads (an angle, its sine and cosine, a norm)
