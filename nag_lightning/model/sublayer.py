@@ -78,7 +78,11 @@ class Sublayer(nn.Module):
         h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
         planned = None
         if self.router.reads_planned_angle or (self.record and cached is None):
-            planned = strategy.planned_angle(state, self.index)
+            # in fp32 from the fp32 state, also under autocast: in bf16 the angles of a model
+            # whose gate has not spread them yet fall on a few values, and a router splitting
+            # them at a quantile then finds nothing to skip
+            with torch.autocast(h.device.type, enabled=False):
+                planned = strategy.planned_angle(state, self.index)
         if self.router.reads_planned_angle:
             route: Route = self.router(h, planned_angle=planned)
         else:
