@@ -14,8 +14,10 @@ the others still run), each with a time budget that its loops and child processe
                               measured in the same run (goal >= 90%)
     residual_step             NAG / prenorm training-step time and peak memory, d_model 1024,
                               12 blocks, bf16-mixed (goal: time ratio <= 1.02)
-    mod_step                  top-k and threshold MoD at 25% against the unrouted model: time saved
-                              over the FLOPs saved (`nag_lightning.model.flops`) (goal >= 0.8)
+    mod_step                  the recommended routed setting (threshold on NAG's angle, MLPs
+                              only, target 0.5: a 25% MoD rate), top-k and threshold at 25% on
+                              every sublayer, against the unrouted model: time saved over the
+                              FLOPs saved (`nag_lightning.model.flops`) (goal >= 0.8)
     activation_checkpointing  NAG step time and peak memory with `activation_checkpointing`
     recipes                   two bf16-mixed steps of every recipes/scale recipe through the
                               command line, on this one device
@@ -56,6 +58,11 @@ SIZES = {
     "dry": dict(d_model=64, n_layers=2, n_heads=2, seq_len=32, batch=2, repeats=2, warmup=1,
                 kernel_shapes=[(6, 40)], rows=8, dims=[64], copy_bytes=2**20),
 }
+# The routed settings the MoD sections time, as (router, router options, sublayer kinds routed): the
+# recommended one (docs/routing.md, "Which routing to use") and both routers on every sublayer.
+ROUTED = {"mlp 50%": ("threshold", {"predictor": "angle", "target_rate": 0.5, "warmup_steps": 0}, ["mlp"]),
+          "topk 25%": ("topk", {"capacity": 0.75}, ["attn", "mlp"]),
+          "threshold 25%": ("threshold", {"target_rate": 0.25, "warmup_steps": 0}, ["attn", "mlp"])}
 BUDGETS_S = {"kernels": 40, "bandwidth": 30, "residual_step": 30, "mod_step": 30,
              "activation_checkpointing": 25, "recipes": 150, "compile": 130}
 # The recipes in the order they run; on one device multinode.yaml is fsdp.yaml, so it goes last.
@@ -269,16 +276,15 @@ def residual_step(check: Check) -> dict:
 
 
 def mod_step(check: Check) -> dict:
-    """Routed at 25% against unrouted: how much of the FLOPs saved shows up as time saved."""
+    """Routed at a 25% MoD rate against unrouted: how much of the FLOPs saved shows up as time saved."""
     import bench_residual_step as brs
 
     from nag_lightning.model.flops import count_model
 
-    configs = {"unrouted": ("none", {}), "topk 25%": ("topk", {"capacity": 0.75}),
-               "threshold 25%": ("threshold", {"target_rate": 0.25, "warmup_steps": 0})}
     args = check.step_args()
-    runs = {name: brs.build("nag", args, router=router, router_options=options)
-            for name, (router, options) in configs.items()}
+    runs = {"unrouted": brs.build("nag", args)}
+    for name, (router, options, kinds) in ROUTED.items():
+        runs[name] = brs.build("nag", args, router=router, router_options=options, route_kinds=kinds)
     flops: dict[str, list[float]] = {name: [] for name in runs}
     rates: dict[str, list[float]] = {name: [] for name in runs}
 
@@ -328,18 +334,19 @@ compile_model.dry_run = False
 
 
 # What the compile section compiles, in order, while its time lasts: (residual, kernel, router,
-# router options). "nag traced write" runs the write as plain operations that inductor generates
-# its own Triton code for (`kernel: torch`), to weigh against the hand-written kernel's opaque op.
-COMPILED = {"nag": ("nag", "auto", "none", {}), "prenorm": ("prenorm", "auto", "none", {}),
-            "nag traced write": ("nag", "torch", "none", {}),
-            "topk 25%": ("nag", "auto", "topk", {"capacity": 0.75}),
-            "threshold 25%": ("nag", "auto", "threshold", {"target_rate": 0.25, "warmup_steps": 0})}
+# router options, sublayer kinds routed). "nag traced write" runs the write as plain operations that
+# inductor generates its own Triton code for (`kernel: torch`), to weigh against the hand-written
+# kernel's opaque op.
+COMPILED = {"nag": ("nag", "auto", "none", {}, ["attn", "mlp"]),
+            "prenorm": ("prenorm", "auto", "none", {}, ["attn", "mlp"]),
+            "nag traced write": ("nag", "torch", "none", {}, ["attn", "mlp"]),
+            **{name: ("nag", "auto", *routed) for name, routed in ROUTED.items()}}
 SETTLED_STEP = 4  # dynamo must compile no graph after this many steps of each model
 
 
 def compile_section(check: Check) -> dict:
     """Compiled training steps: NAG and prenorm (each also eager), NAG with its write traced by
-    the compiler, and top-k and threshold MoD at 25% against compiled unrouted NAG (the share of
+    the compiler, and the routed settings of ROUTED against compiled unrouted NAG (the share of
     the FLOP saving shown as time), while the section's time lasts; the first (compiling) step
     is timed on its own, and graphs compiled after step SETTLED_STEP are counted."""
     import bench_residual_step as brs
@@ -353,14 +360,14 @@ def compile_section(check: Check) -> dict:
     args = check.step_args()
     batch = torch.randint(0, 256, (check.sizes["batch"], check.sizes["seq_len"] + 1), device=check.device)
     runs, first_step_s = {}, {}
-    for name, (residual, kernel, router, options) in COMPILED.items():
+    for name, (residual, kernel, router, options, kinds) in COMPILED.items():
         if check.dry_run and name == "threshold 25%":
-            break  # dynamo traces its many graphs for a minute of CPU; top-k checks the same code
+            break  # dynamo traces routed attention for a minute of CPU; the MLPs' threshold checks the rest
         if runs and check.left() < 1.5 * first_step_s["nag compiled"]:
             check.notes.append(f"{name} not compiled: its compile would not fit in the section's time")
             break
         variant = argparse.Namespace(**{**vars(args), "kernel": kernel})
-        model, optimizer = brs.build(residual, variant, router=router, router_options=options)
+        model, optimizer = brs.build(residual, variant, router=router, router_options=options, route_kinds=kinds)
         runs[f"{name} compiled"] = (compile_model(model), optimizer)
         if name in ("nag", "prenorm"):
             runs[f"{name} eager"] = brs.build(name, args)
@@ -388,13 +395,14 @@ def compile_section(check: Check) -> dict:
         row["first_step_s"] = first_step_s[name]
     shares = {}
     base = table["nag compiled"]
-    for name in ("topk 25%", "threshold 25%"):
+    for name in ROUTED:
         if f"{name} compiled" in table:
             row = table[f"{name} compiled"]
             saved_flops = 1 - statistics.median(flops[f"{name} compiled"]) / statistics.median(
                 flops["nag compiled"])
             saved_time = 1 - row["median_step_ms"] / base["median_step_ms"]
-            shares[name] = row["time_saved_over_flops_saved"] = saved_time / saved_flops
+            share = saved_time / saved_flops if saved_flops > 0 else float("nan")  # nothing skipped
+            shares[name] = row["time_saved_over_flops_saved"] = share
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     ratio = {n: table[f"{n} compiled"]["median_step_ms"] / table[f"{n} eager"]["median_step_ms"]
              for n in ("nag", "prenorm") if f"{n} compiled" in table}

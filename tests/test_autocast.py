@@ -57,6 +57,28 @@ def test_bf16_autocast_forward_backward(residual, router, training):
         assert routing_stats(model, T)["mod_rate"] > 0
 
 
+def test_the_planned_angle_router_skips_under_bf16_autocast():
+    """The recommended router (NAG's planned angle, MLPs at 50%) decides on fp32 angles under
+    autocast: after a first optimizer step the gates have spread the angles by less than bf16
+    resolves, and deciding in bf16 it skipped nothing."""
+    torch.manual_seed(0)
+    cfg = TransformerConfig(d_model=32, n_layers=2, n_heads=2, seq_len=T, residual="nag", router="threshold",
+                            router_options={"predictor": "angle", "target_rate": 0.5, "warmup_steps": 0},
+                            route_kinds=["mlp"])
+    model = Transformer(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, 256, (4, T + 1), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):  # a step moves the gates off their equal start; then the threshold follows
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(idx[:, :-1])
+            loss = F.cross_entropy(out.logits.flatten(0, 1).float(), idx[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    skipped = [1 - float(s.executed_per_seq.sum()) / (4 * T) for s in model.sublayers if s.kind == "mlp"]
+    assert all(0.1 < share < 0.9 for share in skipped), skipped
+
+
 def test_lightning_fit_in_bf16_mixed_with_a_routed_model(tmp_path, monkeypatch):
     from nag_lightning.cli import run_lightning_cli
 

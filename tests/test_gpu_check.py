@@ -46,10 +46,11 @@ def test_dry_run_writes_every_section_with_a_status(tmp_path, gpu_check):
     assert set(sections["residual_step"]["results"]) == {"prenorm", "nag"}
     mod = sections["mod_step"]["results"]
     assert mod["unrouted"]["mod_rate"] == 0 and 0 < mod["topk 25%"]["mod_rate"] < 1
+    assert 0 < mod["mlp 50%"]["mod_rate"] <= 0.5  # the recommended setting skips MLPs only
     assert sections["activation_checkpointing"]["results"]["with"]["memory_ratio"] < 1
     assert {r["status"] for r in sections["recipes"]["results"].values()} == {"ok"}
     assert set(sections["recipes"]["results"]) == {"gpu_bf16", "fsdp2"}
-    assert {"prenorm compiled", "nag compiled"} <= set(sections["compile"]["results"]["steps"])
+    assert {"prenorm compiled", "nag compiled", "mlp 50% compiled"} <= set(sections["compile"]["results"]["steps"])
     assert report["meta"]["dry_run"] is True
     summary = (tmp_path / "gpu_check.md").read_text()
     assert all(f"| {name} | ok |" in summary for name in sections)

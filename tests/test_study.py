@@ -95,10 +95,14 @@ def test_isoflop_study_runs_every_recipe_and_seed_and_aggregates(tmp_path, launc
     for row in rows:
         assert row["bpb_min"] <= row["bpb_mean"] <= row["bpb_max"]
         assert row["tokens"] == 4 * 8 * 128  # 4 steps of 8 sequences of 128 bytes
+        assert row["train_seconds"] > 0  # FlopAccounting logged the training time beside the FLOPs
     with (tmp_path / "isoflop.csv").open() as handle:
-        assert len(list(csv.DictReader(handle))) == 4
+        runs = list(csv.DictReader(handle))
+    assert len(runs) == 4 and all(float(r["train_seconds"]) > 0 for r in runs)
     assert "nag_threshold20" in (tmp_path / "isoflop.md").read_text()
-    assert (tmp_path / "isoflop.png").stat().st_size > 10_000
+    assert "training seconds (mean)" in (tmp_path / "isoflop.md").read_text()
+    for figure in ("isoflop.png", "isoflop_time.png"):
+        assert (tmp_path / figure).stat().st_size > 10_000
 
 
 def test_tradeoff_study_sweeps_both_residuals_onto_one_plot(tmp_path, launch):

@@ -9,6 +9,8 @@ passes did (`nag_lightning.model.flops.StepFlops`), sums that over all ranks wit
     flops/tokens                     tokens trained on so far, all ranks; kept in checkpoints
     flops/executed_fraction          layer FLOPs executed over layer FLOPs at full depth (step)
     flops/executed_params_per_token  layer weights one token met on average (step)
+    time/train_seconds               wall-clock seconds of training so far, validation left out;
+                                     kept in checkpoints, so a resumed run continues the count
     throughput/...                   tokens/s, samples/s, FLOPs/s and MFU, from Lightning's
                                      `lightning.fabric.utilities.throughput.Throughput`
 
@@ -87,6 +89,8 @@ class FlopAccounting(L.Callback):
         self.tokens = 0
         self.samples = 0
         self.steps = 0
+        self.saved_seconds = 0.0  # training seconds of the run before this session (a resume)
+        self._train_time = 0.0  # training seconds of this session
         # Totals of this rank alone, for checks; not kept in checkpoints.
         self.local_forward_flops = 0
         self.last: dict[str, float] = {}  # the last counted step, all ranks
@@ -223,6 +227,7 @@ class FlopAccounting(L.Callback):
             "flops/tokens": self.tokens,
             "flops/executed_fraction": self.last["executed_fraction"],
             "flops/executed_params_per_token": self.last["executed_params_per_token"],
+            "time/train_seconds": self.train_seconds,
         }
         for key, value in rates.items():
             if key.endswith("_per_sec") or key.endswith("mfu"):
@@ -232,11 +237,19 @@ class FlopAccounting(L.Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step - 1)
 
+    @property
+    def train_seconds(self) -> float:
+        """Wall-clock seconds spent training, from the first step to the last counted one, this
+        session and any before a resume; validation is left out, the first steps' compilation is
+        in (a user waits for it too)."""
+        return self.saved_seconds + self._train_time
+
     # ---- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         return {"forward_flops": self.forward_flops, "training_flops": self.training_flops,
-                "tokens": self.tokens, "samples": self.samples, "steps": self.steps}
+                "tokens": self.tokens, "samples": self.samples, "steps": self.steps,
+                "train_seconds": self.train_seconds}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.forward_flops = saved_count(state_dict, "forward_flops", None, self)
@@ -246,6 +259,7 @@ class FlopAccounting(L.Callback):
         self.tokens = saved_count(state_dict, "tokens", None, self)
         self.samples = saved_count(state_dict, "samples", 0, self)
         self.steps = saved_count(state_dict, "steps", 0, self)
+        self.saved_seconds = saved_seconds(state_dict, self)
 
 
 def saved_count(state: object, key: str, default: int | None, callback: object) -> int:
@@ -260,6 +274,18 @@ def saved_count(state: object, key: str, default: int | None, callback: object) 
             "give an undamaged checkpoint written by `nag-lightning fit`."
         )
     return value
+
+
+def saved_seconds(state: object, callback: object) -> float:
+    """The training seconds in a checkpoint's callback state (untrusted) as a finite number >= 0;
+    0 for a checkpoint written before they were kept; else one sentence."""
+    value = state.get("train_seconds", 0.0) if isinstance(state, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(
+            f"The checkpoint's {type(callback).__name__} state holds train_seconds={value!r}, not a "
+            "number of seconds; give an undamaged checkpoint written by `nag-lightning fit`."
+        )
+    return float(value)
 
 
 def find_accounting(trainer: L.Trainer) -> FlopAccounting | None:

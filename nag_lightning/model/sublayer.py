@@ -78,7 +78,11 @@ class Sublayer(nn.Module):
         h = strategy.read(state, self.index).to(self.compute.proj.weight.dtype)
         planned = None
         if self.router.reads_planned_angle or (self.record and cached is None):
-            planned = strategy.planned_angle(state, self.index)
+            # in fp32 from the fp32 state, also under autocast: in bf16 the angles of a model
+            # whose gate has not spread them yet fall on a few values, and a router splitting
+            # them at a quantile then finds nothing to skip
+            with torch.autocast(h.device.type, enabled=False):
+                planned = strategy.planned_angle(state, self.index)
         if self.router.reads_planned_angle:
             route: Route = self.router(h, planned_angle=planned)
         else:
@@ -104,40 +108,51 @@ class Sublayer(nn.Module):
     def _run_routed(
         self, state: State, strategy: ResidualStrategy, h: Tensor, route: Route, need_angle: bool
     ) -> tuple[State, Tensor | None]:
-        """Training and evaluation with skipped tokens: the sublayer computes the executed tokens
-        alone; the write then runs over every token, with f = 0 and g = 0 where skipped, and its
-        result is kept on the executed tokens only (`merge`). The write is per-token work, a few
-        passes over (B, T, C); gathering the state lanes, writing the executed rows and scattering
-        them back cost more passes than that, forward and backward (docs/benchmarks.md, "Speed
-        under torch.compile"). Where every sequence executes the same number of tokens (top-k's
-        `route.positions`, (B, K)) they are gathered with static shapes; otherwise by the mask."""
+        """Training and evaluation with skipped tokens: the executed tokens' rows of h and of the
+        state lanes are gathered, the sublayer computes them, the write turns them, and they are
+        copied back into the lanes; skipped tokens' state is the same tensor entries, untouched.
+        Rows are flat indices into (B * T) (`index_select` / `index_copy`, whose backwards are an
+        `index_add` and a gather: one pass each over the executed rows, where indexing by
+        (b, t) pairs adds a serial accumulating `index_put` to the backward, and writing every
+        token with f = 0 where skipped costs a full write, forward and backward, plus a select
+        over each lane; docs/benchmarks.md, "MoD that saves time"). Where every sequence executes
+        the same number K of tokens (top-k's `route.positions`, (B, K)) the rows and shapes are
+        static; otherwise they come from the mask."""
         executed = route.executed
+        B, T = executed.shape
         at = route.positions
         every_key = self.kind == "attn" and self.compute.attend_skipped  # skipped tokens offer k, v
         if at is not None:
-            picked = _take(h, at)  # (B, K, C)
+            rows = (at + T * torch.arange(B, device=at.device).unsqueeze(1)).flatten()  # (B * K,)
+            picked = h.flatten(0, 1).index_select(0, rows).view(B, at.shape[1], -1)  # (B, K, C)
             if every_key:
                 f = self.compute.forward_every_key(h, at)
             else:
                 f = self.compute(picked, at) if self.kind == "attn" else self.compute(picked)
-            f = h.new_zeros(h.shape, dtype=f.dtype).scatter(1, _index(h, at), f)
-            self.executed_per_seq = torch.full(h.shape[:1], at.shape[1], device=h.device)
+            f = f.flatten(0, 1)  # (B * K, C)
+            self.executed_per_seq = torch.full((B,), at.shape[1], device=h.device)
         else:
             b, t = executed.nonzero(as_tuple=True)  # (N,) each, sorted by (b, t)
-            picked = h[b, t]  # (N, C)
+            rows = b * T + t  # (N,), increasing
+            picked = h.flatten(0, 1).index_select(0, rows)  # (N, C)
             if every_key:
                 f = self.compute.forward_every_key_masked(h, b, t, executed)
             elif self.kind == "attn":
                 f = self.compute.forward_routed(picked, b, t, executed)
             else:
                 f = self.compute(picked)
-            f = h.new_zeros(h.shape, dtype=f.dtype).index_put((b, t), f)
             self.executed_per_seq = executed.sum(1)
-        gate = executed.to(h.dtype) if route.gate is None else route.gate * executed
-        written, angle = strategy.write(state, f, gate, self.index, need_angle)
-        if angle is not None:
-            angle = torch.where(executed, angle, 0.0)  # a skipped token is not turned at all
-        return merge(state, written, executed), angle
+        lanes = tuple(lane.flatten(0, 1) for lane in state)  # (B * T, ...) each
+        gate = None if route.gate is None else route.gate.flatten().index_select(0, rows)
+        written, angle = strategy.write(tuple(lane.index_select(0, rows) for lane in lanes), f, gate,
+                                        self.index, need_angle)
+        # A strategy returns its lanes' own dtypes; the cast only guards one that follows f's
+        # (bf16 under autocast), since index_copy refuses mixed dtypes.
+        state = tuple(lane.index_copy(0, rows, new.to(lane.dtype)).view_as(old)
+                      for lane, new, old in zip(lanes, written, state))
+        if angle is not None:  # a skipped token is not turned at all
+            angle = angle.new_zeros(B * T).index_copy(0, rows, angle).view(B, T)
+        return state, angle
 
     def _run_cached(
         self, state: State, strategy: ResidualStrategy, h: Tensor, route: Route, cached: CachedPass
@@ -189,16 +204,6 @@ def merge(state: State, written: State, keep: Tensor) -> State:
         torch.where(keep.view(*keep.shape, *[1] * (old.dim() - keep.dim())), new.to(old.dtype), old)
         for new, old in zip(written, state)
     )
-
-
-def _index(lane: Tensor, at: Tensor) -> Tensor:
-    """`at` (B, K) expanded over the trailing dimensions of a (B, T, ...) lane."""
-    return at.view(*at.shape, *[1] * (lane.dim() - 2)).expand(*at.shape, *lane.shape[2:])
-
-
-def _take(lane: Tensor, at: Tensor) -> Tensor:
-    """(B, T, ...) -> (B, K, ...): each row's entries at positions `at` (B, K)."""
-    return lane.gather(1, _index(lane, at))
 
 
 class Block(nn.Module):

@@ -4,14 +4,18 @@ For each run directory (a CSVLogger version folder with `metrics.csv`, or any fo
 folders) it reads what `FlopAccounting` logged (`flops/total`, `flops/tokens`, ...) and the
 validation bits per byte, and writes, into `--out`:
 
-    compare.csv   compare.md   one row per run: tokens seen, training FLOPs, final val bits per byte
-    compare.png   val bits per byte against training FLOPs, one line per run
+    compare.csv   compare.md   one row per run: tokens seen, training FLOPs, training seconds,
+                               final val bits per byte
+    compare.png   val bits per byte against training FLOPs and, beside it, against training
+                  wall-clock seconds, one line per run: does the routed run get there sooner?
 
 A run whose metrics lack the FLOP columns falls back to the totals kept in its last checkpoint; a
 run with neither (trained without `FlopAccounting`) still gets its row, with '-' for tokens and
 FLOPs, and no curve.
 The training FLOPs of a validation point are interpolated between the logged totals around it
-(the step cost of a run is close to constant, so this is exact to a fraction of one step).
+(the step cost of a run is close to constant, so this is exact to a fraction of one step), and so
+are its training seconds (`time/train_seconds`, validation left out). Seconds compare runs only
+where they shared a machine and its load; a run logged before the seconds were kept gets '-'.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from pathlib import Path
 from nag_lightning.analysis.reports.plotting import pyplot, save
 from nag_lightning.training.metrics import metric_columns
 
-COLUMNS = ("run", "residual", "router", "steps", "tokens", "training_flops", "executed_fraction",
-           "executed_params_per_token", "final_val_bpb")
+COLUMNS = ("run", "residual", "router", "steps", "tokens", "training_flops", "train_seconds",
+           "executed_fraction", "executed_params_per_token", "final_val_bpb")
 
 
 @dataclass
@@ -38,10 +42,12 @@ class RunSummary:
     steps: int
     tokens: int | None  # None: the run has no FLOP totals
     training_flops: float  # nan: the run has no FLOP totals
+    train_seconds: float  # wall-clock seconds of training (validation left out); nan: not logged
     executed_fraction: float
     executed_params_per_token: float
     final_val_bpb: float
     curve: list[tuple[float, float]] = field(default_factory=list)  # (training FLOPs, val bpb)
+    time_curve: list[tuple[float, float]] = field(default_factory=list)  # (training seconds, val bpb)
 
     def row(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in COLUMNS}
@@ -80,14 +86,18 @@ def _checkpoint_totals(run_dir: Path) -> dict[str, float]:
     if not accounting:
         return {}
     totals = _flop_totals(accounting, ckpt)
-    return {"flops/total": totals["training_flops"], "flops/tokens": totals["tokens"],
+    kept = {"flops/total": totals["training_flops"], "flops/tokens": totals["tokens"],
             "steps": totals["steps"]}
+    if "train_seconds" in accounting:
+        kept["time/train_seconds"] = totals["train_seconds"]
+    return kept
 
 
 def _flop_totals(accounting: object, ckpt: Path) -> dict[str, float]:
     """FlopAccounting's saved totals as numbers; one sentence if they are damaged."""
     totals = {}
-    for key, default in (("forward_flops", None), ("tokens", None), ("steps", 0), ("training_flops", 0.0)):
+    for key, default in (("forward_flops", None), ("tokens", None), ("steps", 0), ("training_flops", 0.0),
+                         ("train_seconds", 0.0)):
         value = accounting.get(key, default) if isinstance(accounting, dict) else None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
             raise ValueError(
@@ -167,9 +177,13 @@ def summarize(run_dir: Path, label: str) -> RunSummary:
             last_step = max((s for v in cols.values() for s, _ in v), default=0)
             cols["flops/total"] = [(last_step, totals["flops/total"])]
             cols["flops/tokens"] = [(last_step, totals["flops/tokens"])]
+            if "time/train_seconds" in totals:
+                cols["time/train_seconds"] = [(last_step, totals["time/train_seconds"])]
     totals = sorted(cols.get("flops/total", []))
+    seconds = sorted(cols.get("time/train_seconds", []))
     val = sorted(cols.get("val/bpb", []))
     curve = [(_interp(step, totals), bpb) for step, bpb in val] if totals else []
+    time_curve = [(_interp(step, seconds), bpb) for step, bpb in val] if seconds else []
     last_step = totals[-1][0] if totals else max((s for v in cols.values() for s, _ in v), default=-1)
     fraction = [v for _, v in cols.get("flops/executed_fraction", [])]
     params = [v for _, v in cols.get("flops/executed_params_per_token", [])]
@@ -180,26 +194,28 @@ def summarize(run_dir: Path, label: str) -> RunSummary:
         run=label, residual=str(hp.get("residual", "?")), router=router_setting(hp),
         steps=last_step + 1, tokens=int(cols["flops/tokens"][-1][1]) if totals else None,
         training_flops=totals[-1][1] if totals else math.nan,
+        train_seconds=seconds[-1][1] if seconds else math.nan,
         executed_fraction=sum(fraction) / len(fraction) if fraction else math.nan,
         executed_params_per_token=sum(params) / len(params) if params else math.nan,
-        final_val_bpb=val[-1][1] if val else math.nan, curve=curve,
+        final_val_bpb=val[-1][1] if val else math.nan, curve=curve, time_curve=time_curve,
     )
 
 
 def markdown_table(rows: list[RunSummary]) -> str:
-    head = ("| run | residual | router | steps | tokens seen | training FLOPs | executed fraction "
-            "| executed layer params/token | final val bits/byte |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| run | residual | router | steps | tokens seen | training FLOPs | training seconds "
+            "| executed fraction | executed layer params/token | final val bits/byte |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         lines.append(
-            f"| {r.run} | {r.residual} | {r.router} | {r.steps} | {_cell(r.tokens, ',')} "
-            f"| {_cell(r.training_flops, '.4g')} | {_cell(r.executed_fraction, '.3f')} "
-            f"| {_cell(r.executed_params_per_token, ',.0f')} | {_cell(r.final_val_bpb, '.4f')} |"
+            f"| {r.run} | {r.residual} | {r.router} | {r.steps} | {format_cell(r.tokens, ',')} "
+            f"| {format_cell(r.training_flops, '.4g')} | {format_cell(r.train_seconds, ',.1f')} "
+            f"| {format_cell(r.executed_fraction, '.3f')} "
+            f"| {format_cell(r.executed_params_per_token, ',.0f')} | {format_cell(r.final_val_bpb, '.4f')} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def _cell(value: float | int | None, spec: str) -> str:
+def format_cell(value: float | int | None, spec: str) -> str:
     """`value` formatted, or '-' where the run did not log it ('' in CSV, where spec is '')."""
     if not spec and (value is None or (isinstance(value, float) and math.isnan(value))):
         return ""
@@ -207,19 +223,25 @@ def _cell(value: float | int | None, spec: str) -> str:
 
 
 def plot(rows: list[RunSummary], path: Path) -> Path:
-    """Val bits per byte against training FLOPs, one line per run."""
+    """Val bits per byte against training FLOPs (left) and training seconds (right), one line per
+    run, each run the same colour in both."""
     plt = pyplot()
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        if r.curve:
-            x, y = zip(*r.curve)
-            ax.plot(x, y, marker="o", markersize=3, label=f"{r.run} ({r.final_val_bpb:.3f})")
-    ax.set(xlabel="training FLOPs", ylabel="validation bits per byte",
-           title="Validation bits per byte against training compute")
-    ax.grid(alpha=0.3)
-    if any(r.curve for r in rows):
-        ax.legend(fontsize=8)
+    fig, (ax_flops, ax_time) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for i, r in enumerate(rows):
+        label = f"{r.run} ({r.final_val_bpb:.3f})"
+        for ax, curve in ((ax_flops, r.curve), (ax_time, r.time_curve)):
+            if curve:
+                x, y = zip(*curve)
+                ax.plot(x, y, marker="o", markersize=3, color=f"C{i}", label=label)
+    ax_flops.set(xlabel="training FLOPs", ylabel="validation bits per byte",
+                 title="Validation bits per byte against training compute")
+    ax_time.set(xlabel="training wall-clock seconds (validation left out)",
+                ylabel="validation bits per byte", title="... and against training time")
+    for ax in (ax_flops, ax_time):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     return save(fig, path)
 
 
@@ -237,7 +259,7 @@ def compare(runs: list[str | Path], out: str | Path = "runs/compare") -> list[Ru
     with open(out / "compare.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
-        writer.writerows({k: _cell(v, "") for k, v in r.row().items()} for r in rows)
+        writer.writerows({k: format_cell(v, "") for k, v in r.row().items()} for r in rows)
     (out / "compare.md").write_text(markdown_table(rows))
     plot(rows, out / "compare.png")
     return rows

@@ -5,19 +5,25 @@ parameters; a routed model, cheaper per token, sees more tokens. Each (recipe, s
 `nag-lightning fit` in its own process and folder under `--out` (cached: an interrupted study
 resumes). At the end the study writes:
 
-    isoflop.csv   one row per run: tokens seen, training FLOPs, executed fraction, final val bpb
-    isoflop.md    one row per recipe: the mean over seeds, with the seeds' min-max
-    isoflop.png   val bpb against training FLOPs (every run), and final val bpb per recipe
+    isoflop.csv       one row per run: tokens seen, training FLOPs, training seconds, executed
+                      fraction, final val bpb
+    isoflop.md        one row per recipe: the mean over seeds, with the seeds' min-max
+    isoflop.png       val bpb against training FLOPs (every run), and final val bpb per recipe
+    isoflop_time.png  its wall-clock twin: val bpb against training seconds (validation left out),
+                      and final val bpb against each run's training seconds, so a routed recipe
+                      that reaches the full-depth bpb sooner shows it. The runs of a study run one
+                      after another, so only a machine whose load stays the same makes them comparable.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import statistics
 from pathlib import Path
 
-from nag_lightning.analysis.reports.compare import COLUMNS, summarize
+from nag_lightning.analysis.reports.compare import COLUMNS, format_cell, summarize
 from nag_lightning.analysis.reports.plotting import pyplot, save
 from nag_lightning.analysis.studies.study import check_study_options, find_recipe, fit_run
 
@@ -37,7 +43,8 @@ def run_recipe(recipe: Path, out: Path, seed: int, extra: list[str]) -> dict:
             f"The run of {recipe} logged no training FLOPs; add nag_lightning.callbacks.FlopAccounting "
             "and FlopBudget to its trainer.callbacks."
         )
-    return {"recipe": recipe.stem, "seed": seed, **summary.row(), "curve": summary.curve}
+    return {"recipe": recipe.stem, "seed": seed, **summary.row(), "curve": summary.curve,
+            "time_curve": summary.time_curve}
 
 
 def aggregate(results: list[dict]) -> list[dict]:
@@ -50,6 +57,7 @@ def aggregate(results: list[dict]) -> list[dict]:
             "recipe": recipe, "residual": runs[0]["residual"], "router": runs[0]["router"],
             "seeds": len(runs), "tokens": statistics.fmean(r["tokens"] for r in runs),
             "training_flops": statistics.fmean(r["training_flops"] for r in runs),
+            "train_seconds": statistics.fmean(r["train_seconds"] for r in runs),  # nan if one lacks them
             "executed_fraction": statistics.fmean(r["executed_fraction"] for r in runs),
             "bpb_mean": statistics.fmean(bpb), "bpb_min": min(bpb), "bpb_max": max(bpb),
         })
@@ -57,37 +65,47 @@ def aggregate(results: list[dict]) -> list[dict]:
 
 
 def write_tables(results: list[dict], rows: list[dict], out: Path) -> None:
-    with (out / "isoflop.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["recipe", "seed", *COLUMNS])
-        writer.writeheader()
-        writer.writerows({k: r[k] for k in writer.fieldnames} for r in results)
-    lines = ["| recipe | residual | router | seeds | tokens seen (mean) | training FLOPs | executed fraction "
-             "| final val bpb, mean (min-max) |", "|" + "---|" * 8]
+    lines = ["| recipe | residual | router | seeds | tokens seen (mean) | training FLOPs "
+             "| training seconds (mean) | executed fraction | final val bpb, mean (min-max) |",
+             "|" + "---|" * 9]
     for r in rows:
+        seconds = "-" if math.isnan(r["train_seconds"]) else f"{r['train_seconds']:,.1f}"
         lines.append(
             f"| {r['recipe']} | {r['residual']} | {r['router']} | {r['seeds']} | {r['tokens']:,.0f} "
-            f"| {r['training_flops']:.4g} | {r['executed_fraction']:.3f} "
+            f"| {r['training_flops']:.4g} | {seconds} | {r['executed_fraction']:.3f} "
             f"| {r['bpb_mean']:.4f} ({r['bpb_min']:.4f}-{r['bpb_max']:.4f}) |"
         )
     (out / "isoflop.md").write_text("\n".join(lines) + "\n")
+    # a run without seconds (logged before they were kept) is an empty cell, as compare writes it
+    with (out / "isoflop.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["recipe", "seed", *COLUMNS])
+        writer.writeheader()
+        writer.writerows({k: format_cell(r[k], "") for k in writer.fieldnames} for r in results)
+
+
+def plot_curves(ax, results: list[dict], rows: list[dict], key: str) -> None:
+    """Val bpb of every run against `key`'s x values ("curve": FLOPs, "time_curve": seconds), one
+    colour per recipe, labelled once."""
+    colors = {r["recipe"]: f"C{i}" for i, r in enumerate(rows)}
+    for r in results:
+        if r[key]:
+            x, y = zip(*r[key])
+            first = r is next(q for q in results if q["recipe"] == r["recipe"] and q[key])
+            ax.plot(x, y, color=colors[r["recipe"]], lw=1, alpha=0.8, label=r["recipe"] if first else None)
+    lows = [r["bpb_min"] for r in rows]
+    ax.set_ylim(min(lows) - 0.1, min(lows) + 1.2)  # the early, steep part hides the end
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
 
 
 def plot(results: list[dict], rows: list[dict], path: Path) -> Path:
     plt = pyplot()
     fig, (ax_curve, ax_final) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {r["recipe"]: f"C{i}" for i, r in enumerate(rows)}
-    for r in results:
-        if r["curve"]:
-            x, y = zip(*r["curve"])
-            first = r is next(q for q in results if q["recipe"] == r["recipe"])
-            ax_curve.plot(x, y, color=colors[r["recipe"]], lw=1, alpha=0.8,
-                          label=r["recipe"] if first else None)
-    lows = [r["bpb_min"] for r in rows]
-    ax_curve.set_ylim(min(lows) - 0.1, min(lows) + 1.2)  # the early, steep part hides the end
+    plot_curves(ax_curve, results, rows, "curve")
     ax_curve.set(xlabel="training FLOPs", ylabel="validation bits per byte",
                  title="Same parameters and training FLOPs (one line per seed)")
-    ax_curve.grid(alpha=0.3)
-    ax_curve.legend(fontsize=8)
     for i, row in enumerate(rows):
         finals = [r["final_val_bpb"] for r in results if r["recipe"] == row["recipe"]]
         ax_final.plot([i] * len(finals), finals, "o", color=colors[row["recipe"]], alpha=0.6)
@@ -99,6 +117,26 @@ def plot(results: list[dict], rows: list[dict], path: Path) -> Path:
                  title="Final val bpb per recipe (dots: seeds, bar: mean)")
     ax_final.grid(alpha=0.3, axis="y")
     ax_final.margins(y=0.15)  # room for the token labels above the highest seed
+    return save(fig, path)
+
+
+def plot_time(results: list[dict], rows: list[dict], path: Path) -> Path:
+    """The wall-clock twin of `plot`: val bpb against training seconds (every run), and each run's
+    final val bpb at the seconds it trained, so a recipe that reaches a bpb sooner sits left."""
+    plt = pyplot()
+    fig, (ax_curve, ax_final) = plt.subplots(1, 2, figsize=(12, 4.5))
+    plot_curves(ax_curve, results, rows, "time_curve")
+    ax_curve.set(xlabel="training wall-clock seconds (validation left out)", ylabel="validation bits per byte",
+                 title="The same runs against training time (one line per seed)")
+    for i, row in enumerate(rows):
+        runs = [r for r in results if r["recipe"] == row["recipe"] and not math.isnan(r["train_seconds"])]
+        ax_final.plot([r["train_seconds"] for r in runs], [r["final_val_bpb"] for r in runs], "o",
+                      color=f"C{i}", alpha=0.7, label=row["recipe"] if runs else None)
+    ax_final.set(xlabel="training wall-clock seconds", ylabel="final validation bits per byte",
+                 title="Final val bpb at each run's training time (dots: seeds)")
+    ax_final.grid(alpha=0.3)
+    if ax_final.get_legend_handles_labels()[0]:
+        ax_final.legend(fontsize=8)
     return save(fig, path)
 
 
@@ -130,5 +168,6 @@ def isoflop_study(
     rows = aggregate(results)
     write_tables(results, rows, out_dir)
     plot(results, rows, out_dir / "isoflop.png")
+    plot_time(results, rows, out_dir / "isoflop_time.png")
     print((out_dir / "isoflop.md").read_text())
     return rows
