@@ -33,8 +33,9 @@ from .reference_backward import nag_write_reference_backward
 
 def gated_angle(u: Tensor, w: Tensor, b: Tensor, theta_max: float | Tensor, gain: float) -> Tensor:
     """theta_max * sigmoid(gain <u, w> + b) per row of u (..., d), in fp32: the gated angle before
-    any router's gate."""
-    return theta_max * torch.sigmoid(gain * (u.float() @ w.float()) + b.float())
+    any router's gate. fp32 under autocast too, which would run the dot product in bf16."""
+    with torch.autocast(u.device.type, enabled=False):
+        return theta_max * torch.sigmoid(gain * (u.float() @ w.float()) + b.float())
 
 
 def gated_write_forward(
