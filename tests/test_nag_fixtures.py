@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nag_lightning.checkpoints.reader import load_transformer
+from nag_lightning.checkpoints.loading import load_model
 from tests.fixtures.make_nag_fixtures import FIXTURES
 
 HERE = Path(__file__).resolve().parent / "fixtures" / "nag"
@@ -25,7 +25,7 @@ def expected() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_a_saved_nag_checkpoint_gives_its_logits(name, expected):
-    model, _ = load_transformer(str(HERE / f"{name}.pt"))
+    model = load_model(str(HERE / f"{name}.pt")).model
     with torch.no_grad():
         logits = model(expected["ids"]).logits
     torch.testing.assert_close(logits, expected[name], atol=1e-6, rtol=0)
