@@ -96,8 +96,8 @@ def test_a_read_only_cache_dir(corpus, tmp_path, capsys, monkeypatch):
     ("extra", "message"),
     [
         (["--model.arch.residual_options={theta_maxx: 1.0}"],
-         r"model.arch.residual_options has 'theta_maxx', which the residual strategy 'nag' does not "
-         r"take; it accepts: theta_max, .*kernel"),
+         r"model.arch.residual_options \(beside NAG's own: angle, bound, theta_max, .*kernel\) has "
+         r"'theta_maxx', which the NAG angle 'gate' does not take; it accepts: gate_gain, .*angle_cost\."),
         (["--model.arch.router=topk", "--model.arch.router_options={cap: 0.5}"],
          r"model.arch.router_options has 'cap', which the router 'topk' does not take; it accepts: "
          r"capacity"),
