@@ -322,7 +322,7 @@ def test_compare_shows_a_run_without_flop_totals_with_dashes(tmp_path, capsys):
     compare_command([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
     printed = capsys.readouterr().out
     assert "| counted | ? | ? | 10 | 1,280 | 6e+09 |" in printed
-    assert "| uncounted | ? | ? | 10 | - | - | - | - | 2.7500 |" in printed
+    assert "| uncounted | ? | ? | 10 | - | - | - | - | - | 2.7500 |" in printed
     assert "no FLOP totals ('-') for uncounted" in printed
     with open(tmp_path / "out" / "compare.csv") as f:
         rows = {r["run"]: r for r in csv.DictReader(f)}
