@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 import warnings
 
 import pytest
@@ -157,6 +156,15 @@ class RecordingCompilation(HeldCompilation):
         return super().__call__(tensors)[1]
 
 
+def compile_with(monkeypatch, variant: type) -> None:
+    """A fresh compilation state whose variants are `variant`s."""
+    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(compiled, "_pending", set())
+    monkeypatch.setattr(compiled, "_failed", False)
+    monkeypatch.setattr(compiled, "_Variant", variant)
+    monkeypatch.setattr(HeldCompilation, "made", [])
+
+
 def doubled(x):
     return x * 2
 
@@ -165,20 +173,13 @@ def test_background_compilation_runs_the_function_as_written_until_it_is_ready(m
     """`auto`'s path (`wait=False`): the first calls do not wait for the compiler, and ask for
     one compilation however often they come; once it is ready, calls take the compiled variant.
     `wait=True` (`kernel: inductor`) compiles before it returns."""
-    monkeypatch.setattr(compiled, "_compiled", {})
-    monkeypatch.setattr(compiled, "_pending", set())
-    monkeypatch.setattr(compiled, "_failed", False)
-    monkeypatch.setattr(compiled, "_Variant", HeldCompilation)
-    monkeypatch.setattr(HeldCompilation, "made", [])
+    compile_with(monkeypatch, HeldCompilation)
     HeldCompilation.done.clear()
     x = torch.arange(3.0)
     for _ in range(3):  # the compilation is held: each call runs the function itself
         assert torch.equal(compiled.call(doubled, x, wait=False), 2 * x)
     HeldCompilation.done.set()
-    for _ in range(100):
-        if not compiled._pending:
-            break
-        time.sleep(0.05)
+    assert compiled.wait_until_compiled(5)
     label, value = compiled.call(doubled, x, wait=False)
     assert label == "compiled" and torch.equal(value, 2 * x)
     assert HeldCompilation.made == ["doubled"]  # asked for once
@@ -193,20 +194,13 @@ def test_a_model_of_many_sublayers_compiles_one_write(monkeypatch):
     from nag_lightning.model.config import TransformerConfig
     from nag_lightning.model.transformer import Transformer
 
-    monkeypatch.setattr(compiled, "_compiled", {})
-    monkeypatch.setattr(compiled, "_pending", set())
-    monkeypatch.setattr(compiled, "_failed", False)
-    monkeypatch.setattr(compiled, "_Variant", RecordingCompilation)
-    monkeypatch.setattr(HeldCompilation, "made", [])
+    compile_with(monkeypatch, RecordingCompilation)
     HeldCompilation.done.set()
     model = Transformer(TransformerConfig(d_model=64, n_layers=4, seq_len=64, residual="nag"))
     batch = torch.randint(0, 256, (compiled.MIN_ELEMENTS // (64 * 64), 64))
     for _ in range(2):
         model(batch).logits.sum().backward()
-        for _ in range(100):
-            if not compiled._pending:
-                break
-            time.sleep(0.05)
+        assert compiled.wait_until_compiled(5)
     assert sorted(HeldCompilation.made) == ["gated_write_backward", "gated_write_forward"]
 
 
