@@ -24,7 +24,6 @@ state: `fit` starts from its weights with `--model.init_weights DIR`, and cannot
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -41,6 +40,7 @@ from nag_lightning.checkpoints.exported import (  # noqa: F401 - the format's na
     WEIGHTS,
     is_exported,
     read_exported,
+    settings_json,
 )
 from nag_lightning.data.tokenizer_json import tokenizer_json
 from nag_lightning.inputs import output_folder
@@ -114,21 +114,13 @@ def write_files(saved, folder: Path) -> list[str]:
         "data": saved.data,
         "global_step": saved.global_step,
     }
-    text = _json_text(config, saved.source)
+    text = settings_json(config, saved.source)
     save_file(weights, str(folder / WEIGHTS), metadata={"format": "pt"})
     (folder / CONFIG).write_text(text, encoding="utf-8")
     (folder / TOKENIZER).write_text(tokenizer_json(saved.tokenizer), encoding="utf-8")
     return [WEIGHTS, CONFIG, TOKENIZER]
 
 
-def _json_text(config: dict, source: str) -> str:
-    try:
-        return json.dumps(config, indent=2, allow_nan=False)
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"The checkpoint {source} holds settings that JSON cannot write ({error}); give a "
-            "checkpoint written by `nag-lightning fit`."
-        ) from None
 
 
 def export_checkpoint(

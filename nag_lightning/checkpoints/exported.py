@@ -139,3 +139,15 @@ def _read_tokenizer(file: Path, spec: str, source: str | Path) -> dict:
             "(tokenizer.spec: bytes); export the checkpoint again."
         )
     return {"spec": BYTES}
+
+
+def settings_json(config: dict, source: str) -> str:
+    """The folder's config.json text of `config`, settings read from the checkpoint `source`;
+    one sentence for a setting JSON cannot write."""
+    try:
+        return json.dumps(config, indent=2, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"The checkpoint {source} holds settings that JSON cannot write ({error}); give a "
+            "checkpoint written by `nag-lightning fit`."
+        ) from None

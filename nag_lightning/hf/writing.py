@@ -14,10 +14,9 @@ Nothing in the folder is code, and nothing is a pickle: JSON and safetensors onl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from nag_lightning.checkpoints.exported import CONFIG, EXTRA_STATE, WEIGHTS
+from nag_lightning.checkpoints.exported import CONFIG, EXTRA_STATE, WEIGHTS, settings_json
 from nag_lightning.hf.configuration import NagLightningConfig
 from nag_lightning.hf.llama import is_llama_expressible, llama_config, to_llama
 from nag_lightning.hf.modeling import NagLightningForCausalLM
@@ -45,18 +44,8 @@ def write_hf_files(saved, folder: Path) -> list[str]:
         # a copy of its own: safetensors refuses tensors that share memory
         prefix = NagLightningForCausalLM.base_model_prefix
         weights = {f"{prefix}.{k}": v.detach().to("cpu").contiguous().clone() for k, v in weights.items()}
-    text = _json_text(config, saved.source)
+    text = settings_json(config, saved.source)
     save_file(weights, str(folder / WEIGHTS), metadata={"format": "pt"})
     (folder / CONFIG).write_text(text, encoding="utf-8")
     write_tokenizer(saved.tokenizer, folder, cfg.seq_len)
     return sorted(p.name for p in folder.iterdir())
-
-
-def _json_text(config: dict, source: str) -> str:
-    try:
-        return json.dumps(config, indent=2, allow_nan=False)
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"The checkpoint {source} holds settings that JSON cannot write ({error}); give a "
-            "checkpoint written by `nag-lightning fit`."
-        ) from None

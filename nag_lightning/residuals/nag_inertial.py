@@ -28,11 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nag_lightning.residuals import RESIDUALS, ResidualStrategy, State
+from nag_lightning.residuals import RESIDUALS, State
+from nag_lightning.residuals.nag.lanes import DirectionAndNormLanes
 
 
 @RESIDUALS.register("nag_inertial")
-class InertialNAGResidual(ResidualStrategy):
+class InertialNAGResidual(DirectionAndNormLanes):
     """NAG's lanes turned by Peri-LN's additive geometry, the norm lane read out as confidence.
 
     Args:
@@ -58,13 +59,7 @@ class InertialNAGResidual(ResidualStrategy):
         self.gamma_out = nn.Parameter(torch.ones(d_model))
 
     def init_state(self, embedding: Tensor) -> State:
-        e = F.rms_norm(embedding.float(), (self.d_model,), self.gamma_embed, self.eps)
-        norm = e.norm(dim=-1).clamp_min(1e-12)
-        return e / norm.unsqueeze(-1), torch.log(norm / math.sqrt(self.d_model))
-
-    def read(self, state: State, index: int) -> Tensor:
-        u, _ = state
-        return u * (math.sqrt(self.d_model) * self.gamma[index])
+        return self.lanes_of(F.rms_norm(embedding.float(), (self.d_model,), self.gamma_embed, self.eps))
 
     def write(
         self, state: State, f: Tensor, gate: Tensor | None, index: int, need_angle: bool = True
@@ -87,14 +82,3 @@ class InertialNAGResidual(ResidualStrategy):
         # exactly rho where the gate is 0: log(1 + 0) is 0
         rho_new = rho + 0.5 * torch.log((along.square() + across.square()).clamp_min(1e-30))
         return (u_new, rho_new), theta.detach()
-
-    def final(self, state: State) -> tuple[Tensor, Tensor | None]:
-        u, rho = state
-        features = u * (math.sqrt(self.d_model) * self.gamma_out)
-        if not self.norm_lane_readout:
-            return features, None
-        return features, torch.exp(rho.clamp(-4.0, 4.0)).unsqueeze(-1)
-
-    def state_norm(self, state: State) -> Tensor:
-        _, rho = state
-        return torch.exp(rho)

@@ -26,9 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from nag_lightning.inputs import shorten
-from nag_lightning.residuals import RESIDUALS, ResidualStrategy, State
+from nag_lightning.residuals import RESIDUALS, State
 from nag_lightning.residuals.nag.angle import Angle
 from nag_lightning.residuals.nag.bounds import Bound
+from nag_lightning.residuals.nag.lanes import DirectionAndNormLanes
 from nag_lightning.residuals.nag.parts import ANGLES, BOUNDS, check_flag, registered
 
 
@@ -46,7 +47,7 @@ class ChannelGain(nn.Module):
 
 
 @RESIDUALS.register("nag")
-class NAGResidual(ResidualStrategy):
+class NAGResidual(DirectionAndNormLanes):
     """Direction lane u (unit norm) and log-norm lane rho; sublayers turn u by the angle part's
     choice within the bound part's limit.
 
@@ -82,8 +83,8 @@ class NAGResidual(ResidualStrategy):
                  alpha_init: float | None = None, beta_init: float = 0.0, channel_scale: bool = False,
                  kernel: str = "auto", **angle_options: Any) -> None:
         super().__init__(d_model, n_sublayers)
-        self._given = {name for name, value in (("angle", angle), ("bound", bound),
-                                                ("norm_lane_readout", norm_lane_readout)) if value is not None}
+        given = {"angle": angle, "bound": bound, "norm_lane_readout": norm_lane_readout}
+        self._given = {name for name, value in given.items() if value is not None}
         kind = registered(ANGLES, "gate" if angle is None else angle, "angle")
         self._check_options(kind, angle_options)
         norm_lane_readout = True if norm_lane_readout is None else norm_lane_readout
@@ -135,16 +136,18 @@ class NAGResidual(ResidualStrategy):
             if saved == mine[name]:
                 continue
             if name in self._given:
-                raise ValueError(f"The checkpoint was trained with {name}={shorten(saved)}; this model was "
-                                 f"given {name}={mine[name]}: drop the option or give the checkpoint's value.")
+                raise ValueError(f"The checkpoint was trained with {name}={shorten(saved)}; this model "
+                                 f"was given {name}={mine[name]}: drop the option or give the checkpoint's "
+                                 "value.")
             if name == "norm_lane_readout":
                 check_flag(name, saved)
                 self.norm_lane_readout = saved
             elif name == "bound" and not self.bound.has_parameters and self._swap_bound(saved):
                 continue
             else:  # the part, or the gains, decide which parameters exist
-                raise ValueError(f"The checkpoint was trained with {name}={shorten(saved)}; this model was "
-                                 f"built with {name}={mine[name]}: give residual_options {name}={shorten(saved)}.")
+                raise ValueError(f"The checkpoint was trained with {name}={shorten(saved)}; this model "
+                                 f"was built with {name}={mine[name]}: give residual_options "
+                                 f"{name}={shorten(saved)}.")
 
     def _swap_bound(self, name: object) -> bool:
         """Take the checkpoint's bound in place of the default one, where neither has parameters
@@ -157,14 +160,7 @@ class NAGResidual(ResidualStrategy):
 
     def init_state(self, embedding: Tensor) -> State:
         self.angle.start(embedding.shape[:-1].numel())
-        e = embedding.float()
-        norm = e.norm(dim=-1).clamp_min(1e-12)
-        return e / norm.unsqueeze(-1), torch.log(norm / math.sqrt(self.d_model))
-
-    def read(self, state: State, index: int) -> Tensor:
-        u, _ = state
-        # the constant goes on the (d,) gain, not the (B, T, d) state: one full-size multiply, not two
-        return u * (math.sqrt(self.d_model) * self.gamma[index])
+        return self.lanes_of(embedding)
 
     def write(
         self, state: State, f: Tensor, gate: Tensor | None, index: int, need_angle: bool = True
@@ -190,17 +186,6 @@ class NAGResidual(ResidualStrategy):
 
     def aux_loss(self) -> Tensor | None:
         return self.angle.aux_loss()
-
-    def final(self, state: State) -> tuple[Tensor, Tensor | None]:
-        u, rho = state
-        features = u * (math.sqrt(self.d_model) * self.gamma_out)
-        if not self.norm_lane_readout:
-            return features, None
-        return features, torch.exp(rho.clamp(-4.0, 4.0)).unsqueeze(-1)
-
-    def state_norm(self, state: State) -> Tensor:
-        _, rho = state
-        return torch.exp(rho)
 
 
 NAG_OPTIONS = ("angle", "bound", "theta_max", "norm_lane_readout", "alpha_init", "beta_init", "channel_scale",
