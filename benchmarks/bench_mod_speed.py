@@ -41,8 +41,8 @@ import torch
 from bench_residual_step import build, step
 
 from nag_lightning.model.compile import compile_model
-from nag_lightning.model.flops import count_model
 from nag_lightning.model.flop_formula import head_flops_per_token
+from nag_lightning.model.flops import count_model
 from nag_lightning.model.inference import CachedDecoder
 from nag_lightning.model.kv_cache import CachedPass
 from nag_lightning.model.sublayer import SUBLAYER_MODULES

@@ -119,5 +119,6 @@ class NAGPlanes(NAGResidual):
             planes = state.pop("planes")
             if planes != self.planes:  # the groups decide the gate's biases
                 raise ValueError(f"The checkpoint was trained with planes={shorten(planes)}; this model was "
-                                 f"built with planes={self.planes}: give residual_options planes={shorten(planes)}.")
+                                 f"built with planes={self.planes}: give residual_options "
+                                 f"planes={shorten(planes)}.")
         super().set_extra_state(state)

@@ -10,4 +10,5 @@ from nag_lightning.residuals.nag.gate import GateAngle
 from nag_lightning.residuals.nag.parts import ANGLES, BOUNDS, Part
 from nag_lightning.residuals.nag.residual import NAG_OPTIONS, ChannelGain, NAGResidual
 
-__all__ = ["ANGLES", "BOUNDS", "NAG_OPTIONS", "Angle", "Bound", "ChannelGain", "GateAngle", "NAGResidual", "Part"]
+__all__ = ["ANGLES", "BOUNDS", "NAG_OPTIONS", "Angle", "Bound", "ChannelGain", "GateAngle", "NAGResidual",
+           "Part"]

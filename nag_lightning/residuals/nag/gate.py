@@ -50,7 +50,8 @@ class GateAngle(Angle):
     plans = True
 
     def __init__(self, d_model: int, n_sublayers: int, kernel: str, gate_gain: float | str | None = None,
-                 gate_bias: float = 0.0, gate_radial: bool | None = None, angle_cost: float | None = None) -> None:
+                 gate_bias: float = 0.0, gate_radial: bool | None = None,
+                 angle_cost: float | None = None) -> None:
         super().__init__(d_model, n_sublayers, kernel)
         self.settle({"gate_gain": gate_gain, "gate_radial": gate_radial, "angle_cost": angle_cost},
                     {"gate_gain": 1.0, "gate_radial": False, "angle_cost": 0.0})

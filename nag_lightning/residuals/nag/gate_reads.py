@@ -37,7 +37,8 @@ class UpdateGateAngle(_OutputGate):
     """The gate reads the direction of the sublayer's output too, with weights v_l of its own."""
 
     def __init__(self, d_model: int, n_sublayers: int, kernel: str, gate_gain: float | str | None = None,
-                 gate_bias: float = 0.0, gate_radial: bool | None = None, angle_cost: float | None = None) -> None:
+                 gate_bias: float = 0.0, gate_radial: bool | None = None,
+                 angle_cost: float | None = None) -> None:
         super().__init__(d_model, n_sublayers, kernel, gate_gain, gate_bias, gate_radial, angle_cost)
         self.gate_v = nn.Parameter(torch.zeros(n_sublayers, d_model))
 

@@ -38,7 +38,8 @@ class Part(nn.Module):
     def settle(self, given: dict[str, Any], defaults: dict[str, Any]) -> None:
         """Set the settings from the values `given` (None: not given) over `defaults`, checked."""
         self._given = {name for name, value in given.items() if value is not None}
-        settings = {name: defaults[name] if given.get(name) is None else given[name] for name in self.SETTINGS}
+        settings = {name: defaults[name] if given.get(name) is None else given[name]
+                    for name in self.SETTINGS}
         self.check(settings)
         for name, value in settings.items():
             setattr(self, name, value)
@@ -64,16 +65,10 @@ class Part(nn.Module):
             # torch.distributed.checkpoint's placeholder for an extra state it does not load: the
             # settings stay the ones this part was built with, from the same run
             return
-        unknown = sorted(set(state) - set(self.SETTINGS), key=str)
-        if unknown:
-            raise ValueError(f"The checkpoint's NAG {self.name!r} has settings {shorten(unknown)} it does "
-                             f"not take; it takes: {', '.join(self.SETTINGS) or 'none'}.")
+        refuse_unknown(state, self.SETTINGS, f"NAG {self.name!r}")
         for name, value in state.items():
             if name in self._given and name not in self.OBJECTIVE and value != getattr(self, name):
-                raise ValueError(
-                    f"The checkpoint was trained with {name}={shorten(value)}; this model was given "
-                    f"{name}={getattr(self, name)}: drop the option or give the checkpoint's value."
-                )
+                raise disagreement(name, value, getattr(self, name))
         kept = {name for name in self.OBJECTIVE if name in self._given}
         settings = {name: getattr(self, name) if name in kept else state.get(name, getattr(self, name))
                     for name in self.SETTINGS}
@@ -92,6 +87,20 @@ def registered(registry: Registry, name: object, option: str) -> type[Part]:
     if not isinstance(name, str) or name not in registry.names():
         raise ValueError(f"{option} must be one of {tuple(registry.names())}; got {shorten(repr(name))}.")
     return registry.get(name)
+
+
+def refuse_unknown(state: dict, settings: tuple[str, ...], what: str) -> None:
+    """One sentence for a checkpoint's saved settings of `what` that name a setting it does not take."""
+    unknown = sorted(set(state) - set(settings), key=str)
+    if unknown:
+        raise ValueError(f"The checkpoint's {what} has settings {shorten(unknown)} it does not take; it "
+                         f"takes: {', '.join(settings) or 'none'}.")
+
+
+def disagreement(name: str, saved: object, given: object) -> ValueError:
+    """The sentence for a setting given to the model that the checkpoint was trained without."""
+    return ValueError(f"The checkpoint was trained with {name}={shorten(saved)}; this model was given "
+                      f"{name}={shorten(given)}: drop the option or give the checkpoint's value.")
 
 
 def number(value: object) -> bool:

@@ -30,7 +30,14 @@ from nag_lightning.residuals import RESIDUALS, State
 from nag_lightning.residuals.nag.angle import Angle
 from nag_lightning.residuals.nag.bounds import Bound
 from nag_lightning.residuals.nag.lanes import DirectionAndNormLanes
-from nag_lightning.residuals.nag.parts import ANGLES, BOUNDS, check_flag, registered
+from nag_lightning.residuals.nag.parts import (
+    ANGLES,
+    BOUNDS,
+    check_flag,
+    disagreement,
+    refuse_unknown,
+    registered,
+)
 
 
 class ChannelGain(nn.Module):
@@ -127,18 +134,13 @@ class NAGResidual(DirectionAndNormLanes):
             # (Lightning's ModelParallelStrategy reads a consolidated checkpoint one parameter at
             # a time): the settings stay the ones this model was built with, from the same run
             return
-        unknown = sorted(set(state) - set(self.SETTINGS), key=str)
-        if unknown:
-            raise ValueError(f"The checkpoint's NAG settings name {shorten(unknown)}, which NAG does not "
-                             f"take; it takes: {', '.join(self.SETTINGS)}.")
+        refuse_unknown(state, self.SETTINGS, "NAG")
         mine = self.get_extra_state()
         for name, saved in state.items():
             if saved == mine[name]:
                 continue
             if name in self._given:
-                raise ValueError(f"The checkpoint was trained with {name}={shorten(saved)}; this model "
-                                 f"was given {name}={mine[name]}: drop the option or give the checkpoint's "
-                                 "value.")
+                raise disagreement(name, saved, mine[name])
             if name == "norm_lane_readout":
                 check_flag(name, saved)
                 self.norm_lane_readout = saved
