@@ -26,10 +26,10 @@ def gpu_check(monkeypatch):
 
 def test_dry_run_writes_every_section_with_a_status(tmp_path, gpu_check):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    # Two recipes, each a child process: one device, and FSDP2's device mesh (the rest on a GPU).
+    # One recipe, a child process (FSDP2's recipe runs the same way; tests/test_fsdp2.py trains it).
     result = subprocess.run(
         [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(tmp_path),
-         "--recipes", "gpu_bf16", "fsdp2"],
+         "--recipes", "gpu_bf16"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -49,7 +49,7 @@ def test_dry_run_writes_every_section_with_a_status(tmp_path, gpu_check):
     assert 0 < mod["mlp 50%"]["mod_rate"] <= 0.5  # the recommended setting skips MLPs only
     assert sections["activation_checkpointing"]["results"]["with"]["memory_ratio"] < 1
     assert {r["status"] for r in sections["recipes"]["results"].values()} == {"ok"}
-    assert set(sections["recipes"]["results"]) == {"gpu_bf16", "fsdp2"}
+    assert set(sections["recipes"]["results"]) == {"gpu_bf16"}
     assert {"prenorm compiled", "nag compiled", "mlp 50% compiled"} <= set(sections["compile"]["results"]["steps"])
     assert report["meta"]["dry_run"] is True
     summary = (tmp_path / "gpu_check.md").read_text()
