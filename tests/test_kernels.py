@@ -131,7 +131,7 @@ def compare_to_reference(inputs, dtype, use=(0, 1, 2, 3), grad_floor=1.0):
 
 # (lead shape, d, gamma_next given, g given, alpha)
 SHAPES = [
-    ((5, 123), 123, True, True, 0.9),
+    ((5, 29), 123, True, True, 0.9),
     ((7,), 1, False, False, 0.9),
     ((2, 3), 3, True, False, -0.6),
     ((4,), 127, False, True, 1.3),
@@ -144,7 +144,7 @@ SHAPES = [
 @pytest.mark.parametrize("lead,d,gamma,gate,alpha", SHAPES, ids=lambda v: str(v))
 def test_kernel_matches_reference(lead, d, gamma, gate, alpha, dtype):
     if d == 123 and dtype != torch.float32:
-        lead = (2, 123)  # the 615-row case once is enough for the slow interpreter
+        lead = (2, 7)  # the 145-row case once is enough for the slow interpreter
     inputs = make_inputs(lead, d, dtype, gamma=gamma, gate=gate, alpha=alpha)
     outs, grads = compare_to_reference(inputs, dtype)
     # Non-degenerate check: the rows really rotate, and every gradient is exercised.
@@ -518,7 +518,7 @@ def test_given_angle_is_the_turn(dtype):
 @pytest.mark.parametrize("lead,d,gamma,gate,alpha", [SHAPES[0], SHAPES[1], SHAPES[4]], ids=lambda v: str(v))
 def test_kernel_matches_reference_with_given_angle(lead, d, gamma, gate, alpha, dtype):
     if d == 123 and dtype != torch.float32:
-        lead = (2, 123)
+        lead = (2, 7)
     inputs = make_inputs(lead, d, dtype, gamma=gamma, gate=gate, alpha=alpha)
     inputs["angle"] = torch.rand(lead, generator=torch.Generator().manual_seed(7)) * 0.8
     outs, grads = compare_to_reference(inputs, dtype)

@@ -200,7 +200,7 @@ def test_the_gain_is_reported_for_the_focus_strategy(tmp_path):
     assert "lns gain over it (bpb)" in (tmp_path / "depth.md").read_text()
 
 
-def test_a_sweep_picks_on_one_half_of_validation_and_reports_the_other(tmp_path):
+def test_a_sweep_picks_on_one_half_of_validation_and_reports_the_other(tmp_path, launch):
     """Per (strategy, depth) the learning rate with the best selection half wins; the table shows
     its report half and the run's angle spread from its diagnostics; per-strategy options apply."""
     import json
