@@ -70,8 +70,9 @@ def _checked(u, f, rho, g, alpha, beta, gamma_next) -> tuple[torch.Tensor | None
     return g, _as_scalar(alpha, u, "alpha"), _as_scalar(beta, u, "beta")
 
 
-def _resolve(backend: str, u: torch.Tensor, f: torch.Tensor) -> str:
-    """The backend that `backend` means for a write of u and f (see BACKENDS)."""
+def _resolve(backend: str, u: torch.Tensor, f: torch.Tensor, pass_elements: int | None = None) -> str:
+    """The backend that `backend` means for a write of u and f in a pass of `pass_elements` (see
+    BACKENDS and `_compiled.usable`)."""
     if backend not in BACKENDS:
         raise ValueError(f"Unknown nag_write backend {backend!r}; valid choices: {', '.join(BACKENDS)}.")
     if backend == "auto":
@@ -81,18 +82,20 @@ def _resolve(backend: str, u: torch.Tensor, f: torch.Tensor) -> str:
             and f.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and _triton_ops is not None
         )
-        backend = "triton" if use_triton else "inductor" if _compiled.usable(u) else "torch"
+        backend = "triton" if use_triton else "inductor" if _compiled.usable(u, pass_elements) else "torch"
     if backend == "triton" and _triton_ops is None:
         raise ImportError("backend='triton' needs the triton package, which is not installed.")
     return backend
 
 
-def _compiled_mode(backend: str, u: torch.Tensor, f: torch.Tensor) -> str | None:
+def _compiled_mode(
+    backend: str, u: torch.Tensor, f: torch.Tensor, pass_elements: int | None = None
+) -> str | None:
     """How an eager write of u and f runs compiled (compiled.py): "wait" (`inductor`: compiled
     before the first write), "background" (`auto`: the reference until the compiled write is
     ready), or None (not compiled: another backend, or inside torch.compile, which fuses the
     traced write with the model)."""
-    if torch.compiler.is_compiling() or _resolve(backend, u, f) != "inductor":
+    if torch.compiler.is_compiling() or _resolve(backend, u, f, pass_elements) != "inductor":
         return None
     return "wait" if backend == "inductor" else "background"
 
@@ -109,6 +112,7 @@ def nag_write(
     backend: str = "auto",
     bound: str = "tanh",
     angle: torch.Tensor | None = None,
+    pass_elements: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One NAG write: rotate the direction lane u toward f's tangential part, update rho.
 
@@ -127,6 +131,9 @@ def nag_write(
             bound(g alpha |f_perp| / sqrt(d)) (the gated NAG); alpha and bound are then unused,
             g scales only the update of rho, and rows whose f_perp is rounding noise (|f_perp| <=
             tangent_cutoff(f.dtype) |f|, f parallel to u or zero) do not turn and report theta 0.
+        pass_elements: the elements (rows x d) of the model's unrouted write in this pass, by
+            which `auto` chooses on CPU (a routed write of fewer rows then runs as the others do);
+            None: u's own.
 
     Returns:
         (u_new, rho_new, theta, h_next): u_new, h_next (None without gamma_next) in u.dtype;
@@ -144,8 +151,8 @@ def nag_write(
             )
         angle = angle.expand(rho.shape)
 
-    compiled = _compiled_mode(backend, u, f)
-    backend = _resolve(backend, u, f)
+    compiled = _compiled_mode(backend, u, f, pass_elements)
+    backend = _resolve(backend, u, f, pass_elements)
     if backend in ("torch", "inductor"):
         # ordinary tensor operations that torch.compile fuses with the sublayer's neighbouring
         # kernels, where the operator would be one opaque node (ops.py); in eager mode, the same
@@ -173,6 +180,7 @@ def gated_nag_write(
     gain: float,
     radial: bool = True,
     backend: str = "auto",
+    pass_elements: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One NAG write turned by the gated angle, angle = theta_max * sigmoid(gain <u, gate_w> +
     gate_b) * g per row (gated.py), the angle computed inside the compiled write where `nag_write`
@@ -182,13 +190,14 @@ def gated_nag_write(
         gate_w: the gate's weights, shape (d,); gate_b: its bias, a 0-dim tensor.
         gain: the scale of <u, gate_w> (sqrt(d) in the model: u has unit norm).
         radial: angle / theta_max also gates the radial update (rho's), in place of g.
+        pass_elements: as `nag_write`'s.
 
     Returns:
         (u_new, rho_new, theta, angle): as `nag_write`'s without h_next, and the angle each row
         was given (fp32, shape (...,)), which carries gradient to the gate and to g.
     """
-    compiled = _compiled_mode(backend, u, f)
-    backend = _resolve(backend, u, f)
+    compiled = _compiled_mode(backend, u, f, pass_elements)
+    backend = _resolve(backend, u, f, pass_elements)
     if not theta_max > 0:
         raise ValueError(f"theta_max must be positive, got {theta_max}.")
     g, alpha, beta = _checked(u, f, rho, g, alpha, beta, None)
@@ -205,6 +214,7 @@ def gated_nag_write(
     base = gated_angle(u, gate_w, gate_b, theta_max, gain)
     angle = base if g is None else base * g.float()
     u_new, rho_new, theta, _ = nag_write(
-        u, f, rho, angle / theta_max if radial else g, alpha, beta, theta_max, backend=backend, angle=angle
+        u, f, rho, angle / theta_max if radial else g, alpha, beta, theta_max, backend=backend, angle=angle,
+        pass_elements=pass_elements,
     )
     return u_new, rho_new, theta, angle

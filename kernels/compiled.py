@@ -59,8 +59,10 @@ _lock = threading.Lock()  # one compilation at a time, in whichever thread asked
 _queue: queue.SimpleQueue | None = None
 
 
-def usable(u: torch.Tensor) -> bool:
-    """Whether a write of `u` (eager, on CPU, in fp32/bf16, large enough) takes the compiled path."""
+def usable(u: torch.Tensor, pass_elements: int | None = None) -> bool:
+    """Whether a write of `u` (eager, on CPU, in fp32/bf16, large enough) takes the compiled path.
+    Large enough is the size of the model's full write, `pass_elements` where given (a routed
+    write of a few of a pass's rows runs as the pass's other writes do), else u's."""
     return (
         # first: a compiled model fuses the traced write itself, and a routed one's row count is
         # a data-dependent size that the size test below would break the graph on
@@ -68,7 +70,7 @@ def usable(u: torch.Tensor) -> bool:
         and not _failed
         and u.device.type == "cpu"
         and u.dtype in (torch.float32, torch.bfloat16)
-        and u.numel() >= MIN_ELEMENTS
+        and (u.numel() if pass_elements is None else pass_elements) >= MIN_ELEMENTS
     )
 
 

@@ -50,6 +50,37 @@ def test_auto_compiles_only_large_eager_cpu_writes():
     assert not compiled.usable(big.double())  # gradcheck keeps the reference
 
 
+@pytest.mark.parametrize("full_write_compiles", [True, False], ids=["large pass", "small pass"])
+def test_a_routed_write_runs_as_its_passs_full_writes_do(monkeypatch, full_write_compiles):
+    """`auto` chooses by the model's full write, so the routed MLPs' writes of a few of a pass's rows
+    take the compiled path exactly where the unrouted attention writes of the same pass do."""
+    from nag_lightning.model.transformer import Transformer, TransformerConfig
+
+    batch, seq, d = 2, 16, 16
+    monkeypatch.setattr(compiled, "MIN_ELEMENTS", batch * seq * d + (0 if full_write_compiles else 1))
+    chosen = set()  # (rows written, whether the compiled path was chosen)
+    usable = compiled.usable
+
+    def spy(u, pass_elements=None):
+        chosen.add((u.shape[:-1].numel(), usable(u, pass_elements)))
+        return False  # the reference runs: nothing is compiled here
+
+    monkeypatch.setattr(compiled, "usable", spy)
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(
+        d_model=d, n_layers=2, n_heads=2, seq_len=seq, router="threshold", route_kinds=["mlp"],
+        router_options={"predictor": "angle", "target_rate": 0.5, "warmup_steps": 0},
+    ))  # fmt: skip
+    with torch.no_grad():
+        model.strategy.angle.gate_w.normal_()  # tokens' angles differ, so the router picks some
+    tokens = torch.randint(0, 256, (batch, seq))
+    for _ in range(2):  # the first pass sets the router's threshold, the second skips
+        model(tokens)
+    rows = {n for n, _ in chosen}
+    assert min(rows) < batch * seq == max(rows)  # the routed MLPs wrote fewer rows
+    assert {c for _, c in chosen} == {full_write_compiles}
+
+
 def test_compilation_failure_falls_back_to_reference_with_one_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")

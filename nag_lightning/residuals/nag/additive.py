@@ -62,9 +62,10 @@ class AdditiveAngle(Angle):
         angle = torch.atan2(k * n, 1 + k * a)
         if self.inertia == "norm":  # rho follows the norm of u + k f
             u_new, _, theta, _ = nag_write(u, f, rho, gate, alpha, 0.0, bound.theta_max,
-                                           backend=self.kernel, angle=angle)
+                                           backend=self.kernel, angle=angle, pass_elements=self.pass_elements)
             rho_new = rho + 0.5 * torch.log((1 + k * a).square() + (k * n).square())
             return u_new, rho_new.to(rho.dtype), theta
         u_new, rho_new, theta, _ = nag_write(u, f, rho, gate, alpha, beta, bound.theta_max,
-                                             backend=self.kernel, angle=angle)
+                                             backend=self.kernel, angle=angle,
+                                             pass_elements=self.pass_elements)
         return u_new, rho_new, theta

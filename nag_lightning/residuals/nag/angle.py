@@ -9,6 +9,7 @@ by the radial part.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from nag_kernels import BACKENDS
@@ -40,6 +41,9 @@ class Angle(Part):
         if kernel not in BACKENDS:
             raise ValueError(f"kernel must be one of {BACKENDS}; got {kernel!r}.")
         self.d_model, self.n_sublayers, self.kernel = d_model, n_sublayers, kernel
+        # the elements (tokens x d) of this pass's unrouted write, by which the write's backend is
+        # chosen on CPU, so that a routed write of fewer rows runs as the pass's full writes do
+        self.pass_elements: int | None = None
 
     @staticmethod
     def default_theta_max(n_sublayers: int) -> float:
@@ -60,6 +64,8 @@ class Angle(Part):
 
     def start(self, tokens: int) -> None:
         """A forward pass of `tokens` tokens begins (the priced angle counts its turns per pass)."""
+        # a compiled model fuses the traced write and never asks the size: no symbolic int kept
+        self.pass_elements = None if torch.compiler.is_compiling() else tokens * self.d_model
 
     def aux_loss(self) -> Tensor | None:
         """A training loss of the last pass (the price on turning), or None."""

@@ -89,7 +89,7 @@ class GateAngle(Angle):
         limit = bound.of(index)
         u_new, rho_new, theta, angle = gated_nag_write(
             u, f, rho, gate, alpha, beta, limit, self.gate_w[index], self.gate_b[index], self.gain,
-            radial=self.gate_radial, backend=self.kernel,
+            radial=self.gate_radial, backend=self.kernel, pass_elements=self.pass_elements,
         )  # fmt: skip
         if self.angle_cost and self.training:
             self.charge(angle.sum() / limit)
@@ -105,7 +105,7 @@ class GateAngle(Angle):
         # with a given angle the write's gate scales only the radial update
         u_new, rho_new, theta, _ = nag_write(
             u, f, rho, share if self.gate_radial else gate, alpha, beta, bound.theta_max,
-            backend=self.kernel, angle=limit * share,
+            backend=self.kernel, angle=limit * share, pass_elements=self.pass_elements,
         )
         if self.angle_cost and self.training:
             self.charge(share.sum())
@@ -131,6 +131,7 @@ class GateAngle(Angle):
         self._turned = turned if self._turned is None else self._turned + turned
 
     def start(self, tokens: int) -> None:
+        super().start(tokens)
         self._turned, self._tokens = None, tokens
 
     def aux_loss(self) -> Tensor | None:

@@ -40,5 +40,6 @@ class MagnitudeAngle(Angle):
     def write(self, u: Tensor, rho: Tensor, f: Tensor, gate: Tensor | None, index: int, alpha: Tensor,
               beta: Tensor, bound: Bound) -> tuple[Tensor, Tensor, Tensor]:
         u_new, rho_new, theta, _ = nag_write(u, f, rho, gate, alpha, beta, bound.of(index),
-                                             backend=self.kernel, bound=self.saturation)
+                                             backend=self.kernel, bound=self.saturation,
+                                             pass_elements=self.pass_elements)
         return u_new, rho_new, theta
