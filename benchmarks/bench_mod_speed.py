@@ -23,6 +23,10 @@ shuffled every round, `--warmup` untimed steps (compilation) then `--repeats` ti
 training = 3 x forward, routers included); the last column is the share of it saved as time.
 Under compile it also counts the graphs dynamo compiled after step 4 (the goal is none).
 
+`--profile STEPS` profiles each model's training steps instead and sums the operators' self time
+by group (matrix products, routing's selects and scatters, the optimizer, the rest): where the
+time goes, and what routing adds and removes.
+
 `--decode` times generation with the KV cache instead: each model decodes the same tokens one
 step at a time (prefill of 8 tokens, then one token per step, batch 1, eval mode), routed by what
 the router does in generation (top-k: its causal predictor; threshold: its tau). The models are
@@ -109,6 +113,66 @@ def train_phase(size: str, mode: str, args: argparse.Namespace) -> dict:
     del runs
     gc.collect()
     return dict(times=times, flops=flops, rates=rates, late=late)
+
+
+# Operator groups of `--profile`, by the aten names of a CPU step's operators.
+GROUPS = {
+    "matrix products": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
+    "routing: select, gather, scatter, sort": (
+        "aten::index_select", "aten::index_copy", "aten::index_copy_", "aten::index_add", "aten::index_add_",
+        "aten::nonzero", "aten::gather", "aten::scatter", "aten::scatter_", "aten::scatter_add_",
+        "aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::sort", "aten::topk", "aten::quantile",
+        "aten::kthvalue", "aten::cumsum", "aten::argsort", "aten::masked_select"),
+}
+
+
+def group_of(op: str) -> str:
+    for group, ops in GROUPS.items():
+        if op in ops:
+            return group
+    if op.startswith("Optimizer.") or "adamw" in op or "foreach" in op:
+        return "optimizer"
+    return "everything else (elementwise, norms, NAG's write, autograd)"
+
+
+def profile_phase(size: str, mode: str, args: argparse.Namespace) -> None:
+    """Where a step's time goes: self CPU time per operator group, per model, the mean of `--profile`
+    steps after the warm-up, the models alternated step by step (torch.profiler's own overhead
+    included, alike for every model)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    s, cfg = SIZES[size], settings(size, args.kernel)
+    runs = build_runs(size, mode, args.kernel)
+    batch = torch.randint(0, 256, (s["batch"], s["seq_len"] + 1), generator=torch.Generator().manual_seed(0))
+    for model, optimizer in runs.values():
+        for _ in range(args.warmup):
+            step(model, optimizer, batch, cfg)
+    per_step: dict[str, dict[str, float]] = {name: {} for name in runs}
+    order, names = random.Random(0), list(runs)
+    for _ in range(args.profile):  # one step of each model in turn: the machine's load hits them alike
+        order.shuffle(names)
+        for name in names:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step(*runs[name], batch, cfg)
+            groups = per_step[name]
+            for event in prof.key_averages():
+                key = group_of(event.key)
+                groups[key] = groups.get(key, 0.0) + event.self_cpu_time_total / 1000 / args.profile
+    print(f"\n{size}, {mode}: self CPU ms per training step by operator group (torch.profiler, "
+          f"{args.profile} steps after {args.warmup})\n")
+    names = list(runs)
+    print("| operator group | " + " | ".join(names) + " | "
+          + " | ".join(f"{n} - unrouted" for n in names[1:]) + " |")
+    print("|---|" + "---|" * (2 * len(names) - 1))
+    keys = sorted({k for g in per_step.values() for k in g}) + ["total"]
+    for g in per_step.values():
+        g["total"] = sum(g.values())
+    for key in keys:
+        cells = [per_step[n].get(key, 0.0) for n in names]
+        print(f"| {key} | " + " | ".join(f"{c:.1f}" for c in cells) + " | "
+              + " | ".join(f"{c - cells[0]:+.1f}" for c in cells[1:]) + " |")
 
 
 def print_training(size: str, mode: str, result: dict, args: argparse.Namespace) -> None:
@@ -233,6 +297,8 @@ def main() -> None:
     parser.add_argument("--kernel", choices=("auto", "torch"), default="auto",
                         help="NAG's CPU write: auto (inductor-compiled) or torch (the PyTorch reference)")
     parser.add_argument("--decode", action="store_true", help="time cached generation instead of training")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="profile STEPS training steps of each model by operator group, instead of timing")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, NAG write kernel {args.kernel}")
@@ -241,6 +307,9 @@ def main() -> None:
             decode_phase(size, args)
             continue
         for mode in args.modes:
+            if args.profile:
+                profile_phase(size, mode, args)
+                continue
             print_training(size, mode, train_phase(size, mode, args), args)
 
 
