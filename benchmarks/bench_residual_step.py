@@ -35,7 +35,7 @@ def build(residual: str, args: argparse.Namespace, **config) -> tuple[Transforme
     torch.manual_seed(0)
     cfg = TransformerConfig(
         d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, seq_len=args.seq_len,
-        residual=residual,
+        residual=residual, vocab_size=getattr(args, "vocab", 256),
         residual_options={"kernel": args.kernel, **json.loads(args.nag_options)} if residual == "nag" else {},
         **config,
     )
@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--n-layers", type=int, default=8)
     parser.add_argument("--n-heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=256, help="vocabulary size (256: bytes)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
     parser.add_argument("--kernel", choices=("auto", "triton", "torch"), default="auto")
@@ -111,7 +112,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
 
-    batch = torch.randint(0, 256, (args.batch, args.seq_len + 1), device=args.device)
+    batch = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), device=args.device)
     names = ["prenorm", *(n for n in (args.residuals or RESIDUALS.names()) if n != "prenorm")]
     for name in names:
         RESIDUALS.get(name)  # an unknown name fails here with the registered ones listed
@@ -133,7 +134,7 @@ def main() -> None:
     params = {name: sum(p.numel() for p in m.parameters()) for name, (m, _) in models.items()}
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"device: {device}, threads: {torch.get_num_threads()}, d={args.d_model}, "
-          f"layers={args.n_layers}, seq={args.seq_len}, batch={args.batch}, "
+          f"layers={args.n_layers}, seq={args.seq_len}, batch={args.batch}, vocab={args.vocab}, "
           f"precision={args.precision}, kernel={args.kernel}, repeats={args.repeats}")
     base_time, base_memory = statistics.median(times["prenorm"]), memory["prenorm"]
     print("| residual | params | median step (ms) | peak memory (MiB) | time / prenorm | "
