@@ -217,8 +217,8 @@ def decode_token(decoder: CachedDecoder, token: int) -> list:
     """One generation step of one token (batch 1), as `CachedDecoder.extend` runs it; returns,
     per sublayer, whether the token ran it."""
     model = decoder.model
-    idx = torch.tensor([[token]])
-    cached = CachedPass(decoder.caches, torch.tensor([[decoder.length[0]]]))
+    idx = torch.tensor([[token]], device=decoder.device)
+    cached = CachedPass(decoder.caches, torch.tensor([[decoder.length[0]]], device=decoder.device))
     model.readout(tuple(lane[:, -1] for lane in model.stream(idx, cached)))
     decoder.length[0] += 1
     return [executed is None or bool(executed.any()) for executed in cached.executed]

@@ -17,7 +17,8 @@ the others still run), each with a time budget that its loops and child processe
     mod_step                  the recommended routed setting (threshold on NAG's angle, MLPs
                               only, target 0.5: a 25% MoD rate), top-k and threshold at 25% on
                               every sublayer, against the unrouted model: time saved over the
-                              FLOPs saved (`nag_lightning.model.flops`) (goal >= 0.8)
+                              FLOPs saved (`nag_lightning.model.flops`) (goal >= 0.8); and
+                              milliseconds per token generated with the KV cache
     activation_checkpointing  NAG step time and peak memory with `activation_checkpointing`
     recipes                   two bf16-mixed steps of every recipes/scale recipe through the
                               command line, on this one device
@@ -63,6 +64,7 @@ SIZES = {
 ROUTED = {"mlp 50%": ("threshold", {"predictor": "angle", "target_rate": 0.5, "warmup_steps": 0}, ["mlp"]),
           "topk 25%": ("topk", {"capacity": 0.75}, ["attn", "mlp"]),
           "threshold 25%": ("threshold", {"target_rate": 0.25, "warmup_steps": 0}, ["attn", "mlp"])}
+DECODED = 136  # tokens of the sequence the decode timing runs: a prompt of 8, then 128 generated
 BUDGETS_S = {"kernels": 40, "bandwidth": 30, "residual_step": 30, "mod_step": 30,
              "activation_checkpointing": 25, "recipes": 150, "compile": 130}
 # The recipes in the order they run; on one device multinode.yaml is fsdp.yaml, so it goes last.
@@ -294,6 +296,7 @@ def mod_step(check: Check) -> dict:
         rates[name].append(counted.mod_rate)
 
     table = ratios(time_steps(check, runs, after_step=count), None, "unrouted")
+    decode = decode_times(check, runs)
     f0 = statistics.median(flops["unrouted"])
     shares = {}
     for name, row in table.items():
@@ -304,9 +307,43 @@ def mod_step(check: Check) -> dict:
         if name != "unrouted":
             share = row["time_saved"] / saved_flops if saved_flops > 0 else float("nan")
             shares[name] = row["time_saved_over_flops_saved"] = share
+    for name, row in table.items():
+        row["decode"] = decode[name]
+    decoded = ", ".join(f"{n} {d['ms_per_token']:.2f}" for n, d in decode.items())
     return {"results": table, "goal_met": all(v >= GOAL_SAVING_SHARE for v in shares.values()),
             "summary": "; ".join(f"{n}: {table[n]['flops_saved']:.0%} FLOPs saved, {s:.0%} of it as time"
-                                 for n, s in shares.items()) + f" (goal >= {GOAL_SAVING_SHARE:.0%})"}
+                                 for n, s in shares.items()) + f" (goal >= {GOAL_SAVING_SHARE:.0%})"
+                       + f"; ms per generated token (KV cache, batch 1): {decoded}"}
+
+
+def decode_times(check: Check, runs: dict) -> dict[str, dict[str, float]]:
+    """Milliseconds per generated token with the KV cache (batch 1, a prompt of 8 tokens, then one
+    token a step, DECODED in all at most) and the MoD rate of generation, per model, after
+    `bench_mod_speed.calibrate` has set how often its router runs a token; the models train again
+    afterwards."""
+    import bench_mod_speed as bms
+    import torch
+
+    from nag_lightning.model.inference import CachedDecoder
+
+    gen = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, 256, (check.sizes["batch"], check.sizes["seq_len"] + 1), generator=gen)
+    batch = batch.to(check.device)
+    tokens, prompt = batch[0].tolist(), 8
+    out = {}
+    for name, (model, _) in runs.items():
+        bms.calibrate(model, check.step_args(), batch)
+        with torch.no_grad():
+            decoder = CachedDecoder(model, 1)
+            decoder.extend([tokens[:prompt]])
+            check.sync()
+            start = time.perf_counter()
+            ran = [bms.decode_token(decoder, token) for token in tokens[prompt:prompt + DECODED][:-1]]
+            check.sync()
+        model.train()
+        out[name] = {"ms_per_token": 1000 * (time.perf_counter() - start) / len(ran),
+                     "mod_rate": 1 - sum(map(sum, ran)) / sum(map(len, ran))}
+    return out
 
 
 def activation_checkpointing(check: Check) -> dict:

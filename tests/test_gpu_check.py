@@ -47,6 +47,8 @@ def test_dry_run_writes_every_section_with_a_status(tmp_path, gpu_check):
     mod = sections["mod_step"]["results"]
     assert mod["unrouted"]["mod_rate"] == 0 and 0 < mod["topk 25%"]["mod_rate"] < 1
     assert 0 < mod["mlp 50%"]["mod_rate"] <= 0.5  # the recommended setting skips MLPs only
+    assert all(row["decode"]["ms_per_token"] > 0 for row in mod.values())  # generation timed too
+    assert mod["unrouted"]["decode"]["mod_rate"] == 0
     assert sections["activation_checkpointing"]["results"]["with"]["memory_ratio"] < 1
     assert {r["status"] for r in sections["recipes"]["results"].values()} == {"ok"}
     assert set(sections["recipes"]["results"]) == {"gpu_bf16"}
