@@ -318,7 +318,7 @@ def mod_step(check: Check) -> dict:
 
 def decode_times(check: Check, runs: dict) -> dict[str, dict[str, float]]:
     """Milliseconds per generated token with the KV cache (batch 1, a prompt of 8 tokens, then one
-    token a step, DECODED in all at most) and the MoD rate of generation, per model, after
+    token a step to DECODED tokens or the model's sequence length) and the MoD rate of generation, per model, after
     `bench_mod_speed.calibrate` has set how often its router runs a token; the models train again
     afterwards."""
     import bench_mod_speed as bms
@@ -338,7 +338,8 @@ def decode_times(check: Check, runs: dict) -> dict[str, dict[str, float]]:
             decoder.extend([tokens[:prompt]])
             check.sync()
             start = time.perf_counter()
-            ran = [bms.decode_token(decoder, token) for token in tokens[prompt:prompt + DECODED][:-1]]
+            end = min(DECODED, check.sizes["seq_len"])  # the context may not outgrow the model
+            ran = [bms.decode_token(decoder, token) for token in tokens[prompt:end]]
             check.sync()
         model.train()
         out[name] = {"ms_per_token": 1000 * (time.perf_counter() - start) / len(ran),
