@@ -82,7 +82,8 @@ COMMANDS: dict[str, Command] = {
         "tradeoff": "nag_lightning.analysis.studies.tradeoff:tradeoff_study",
         "tasks": "nag_lightning.analysis.studies.tasks:tasks_study",
         "tradeoff_tasks": "nag_lightning.analysis.studies.tradeoff_tasks:tradeoff_tasks_study",
-    }, "experiments of many runs: depth, isoflop, tradeoff, tasks, tradeoff_tasks"),
+        "gap": "nag_lightning.analysis.reports.depth_gap:depth_gap",
+    }, "experiments of many runs: depth, isoflop, tradeoff, tasks, tradeoff_tasks; gap reads tasks runs"),
 }
 
 
