@@ -41,7 +41,8 @@ def find_runs(roots: list[str]) -> list[Path]:
     runs = set()
     for root in map(Path, roots):
         if not root.is_dir():
-            raise ValueError(f"--runs names {root}, which is not a folder; give folders of `study tasks` runs.")
+            raise ValueError(f"--runs names {root}, which is not a folder; give folders of `study tasks` "
+                             "runs.")
         runs.update(path.parent for path in root.rglob("difficulty.json")
                     if (path.parent / "version_0" / "config.yaml").is_file())
     return sorted(runs)
@@ -89,7 +90,8 @@ def group(runs: list[dict], names: list[str]) -> list[dict]:
     for run in runs:
         groups.setdefault((run["residual"], run["depth"], run["lr"]), []).append(run)
     cells = []
-    all_names = sorted({n for r in runs for n in r["levels"]}, key=lambda n: runs[0]["levels"].get(n, (99,))[0])
+    order = {name: level for run in runs for name, (level, _) in run["levels"].items()}
+    all_names = sorted(order, key=order.get)
     for (residual, depth, lr), members in sorted(groups.items()):
         accuracy = {name: statistics.fmean(m["levels"][name][1] for m in members if name in m["levels"])
                     for name in all_names}
@@ -138,8 +140,8 @@ def depth_gap(
                          "train them with `nag-lightning study tasks` first.")
     tasks = {run["task"] for run in found}
     if len(tasks) > 1:
-        raise ValueError(f"The runs trained on different tasks or step budgets ({sorted(tasks)}); give --runs "
-                         "folders of one task.")
+        raise ValueError(f"The runs trained on different tasks or step budgets ({sorted(tasks)}); give "
+                         "--runs folders of one task.")
     names = scored_levels(found, levels)
     cells = group(found, names)
     chosen = choose(cells)
