@@ -2,6 +2,7 @@
 
     python benchmarks/bench_residual_step.py                       # CPU: d=256, 8 layers, seq 256
     python benchmarks/bench_residual_step.py --residuals nag ngpt  # a subset (prenorm always runs)
+    python benchmarks/bench_residual_step.py --residuals nag --nag-kernels torch inductor  # write backends
     python benchmarks/bench_residual_step.py --device cuda --d-model 2048 --n-layers 24 \
         --seq-len 2048 --batch 8 --precision bf16-mixed           # a GPU-sized model
 
@@ -103,7 +104,10 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256, help="vocabulary size (256: bytes)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
-    parser.add_argument("--kernel", choices=("auto", "triton", "torch"), default="auto")
+    kernels = ("auto", "triton", "inductor", "torch")
+    parser.add_argument("--kernel", choices=kernels, default="auto")
+    parser.add_argument("--nag-kernels", nargs="+", default=None, choices=kernels,
+                        help="time NAG once per write backend, side by side (e.g. torch inductor)")
     parser.add_argument("--nag-options", default="{}",
                         help='further NAG options as JSON, e.g. \'{"norm_lane_readout": false}\'')
     parser.add_argument("--residuals", nargs="+", default=None,
@@ -116,7 +120,11 @@ def main() -> None:
     names = ["prenorm", *(n for n in (args.residuals or RESIDUALS.names()) if n != "prenorm")]
     for name in names:
         RESIDUALS.get(name)  # an unknown name fails here with the registered ones listed
-    models = {name: build(name, args) for name in names}
+    models = {}
+    for name in names:
+        for kernel in (args.nag_kernels or [args.kernel]) if name == "nag" else [args.kernel]:
+            label = f"nag ({kernel})" if name == "nag" and args.nag_kernels else name
+            models[label] = build(name, argparse.Namespace(**{**vars(args), "kernel": kernel}))
     times: dict[str, list[float]] = {name: [] for name in models}
     for i in range(args.warmup + args.repeats):
         for name, (model, optimizer) in models.items():

@@ -18,9 +18,10 @@ runs the reference until the compiled write is ready: the first step starts as s
 would. The two compute the same functions and differ only in rounding, so a run's rounding changes
 at the step the compiled write arrives; `kernel: inductor` compiles before the first write instead
 (`wait=True`), and `kernel: torch` never compiles. `auto` takes this path only for writes of at
-least `MIN_ELEMENTS` elements, where a training run is long enough to repay it; tests and small
-runs keep the reference. Where compiling fails (no C++ compiler, an unsupported platform), the
-failure is reported once and every later write runs the reference.
+least `MIN_ELEMENTS` elements, or smaller ones in a training run long enough to repay the
+compilation (`MIN_RUN_ELEMENTS`); tests and small runs keep the reference. Where compiling fails
+(no C++ compiler, an unsupported platform), the failure is reported once and every later write
+runs the reference.
 """
 
 from __future__ import annotations
@@ -35,10 +36,31 @@ from collections.abc import Callable
 import torch
 
 MIN_ELEMENTS = 1 << 19
-"""Writes of fewer elements (rows x d) run the reference: compiling costs about 30 s of CPU with a
+"""Writes of fewer elements (rows x d) run the reference, unless a training run long enough to
+repay the compilation is under way (`MIN_RUN_ELEMENTS`): compiling costs about 30 s of CPU with a
 cold cache, and below this size the fused write saves too little per step to repay it in a run
 of the package's CPU recipes (the quickstart's 2048 rows of 128: about 5% of a 600-step run's
 steps, some 7 s; docs/benchmarks.md, "What a user waits for first")."""
+
+MIN_RUN_ELEMENTS = 1 << 28
+"""During a training run of known length (`expect_training_steps`), a smaller write compiles too
+where its elements times the run's remaining steps reach this. The hops recipes write 2048 rows of
+64 for 3000 steps (3.9e8): there the compiled write, forward and backward, takes about 1.6 ms
+against the reference's 4.1, some 40 ms of a step at 8 blocks and two minutes of a run, against
+the compilation's 30 s of CPU. The quickstart's 600 steps of 2048 rows of 128 (1.6e8) stay below."""
+
+_training_steps: float | None = None
+"""The steps the training run in this process has left (`expect_training_steps`); None: none."""
+
+
+def expect_training_steps(steps: float | None) -> None:
+    """Tell `auto` that a training run of `steps` more steps (inf: no end known) starts in this
+    process, or with None that it ended: long runs compile smaller writes (`MIN_RUN_ELEMENTS`).
+    The package's LightningModule calls it when training starts and ends."""
+    global _training_steps
+    if steps is not None and not steps >= 0:
+        raise ValueError(f"steps must be a number of steps >= 0 or None; got {steps!r}.")
+    _training_steps = steps
 
 INDUCTOR_OPTIONS = {"realize_reads_threshold": 1}
 """Store every per-row number that a full-width loop reads (an angle, its sine and cosine, a norm)
@@ -62,7 +84,8 @@ _queue: queue.SimpleQueue | None = None
 def usable(u: torch.Tensor, pass_elements: int | None = None) -> bool:
     """Whether a write of `u` (eager, on CPU, in fp32/bf16, large enough) takes the compiled path.
     Large enough is the size of the model's full write, `pass_elements` where given (a routed
-    write of a few of a pass's rows runs as the pass's other writes do), else u's."""
+    write of a few of a pass's rows runs as the pass's other writes do), else u's: at least
+    `MIN_ELEMENTS`, or `MIN_RUN_ELEMENTS` over the steps a training run under way has left."""
     return (
         # first: a compiled model fuses the traced write itself, and a routed one's row count is
         # a data-dependent size that the size test below would break the graph on
@@ -70,8 +93,15 @@ def usable(u: torch.Tensor, pass_elements: int | None = None) -> bool:
         and not _failed
         and u.device.type == "cpu"
         and u.dtype in (torch.float32, torch.bfloat16)
-        and (u.numel() if pass_elements is None else pass_elements) >= MIN_ELEMENTS
+        and _repays(u.numel() if pass_elements is None else pass_elements)
     )
+
+
+def _repays(elements: int) -> bool:
+    """Whether compiling a write of `elements` pays: a large write, or a long training run."""
+    if elements >= MIN_ELEMENTS:
+        return True
+    return _training_steps is not None and elements * _training_steps >= MIN_RUN_ELEMENTS
 
 
 class _Variant:
@@ -236,7 +266,8 @@ def _background() -> queue.SimpleQueue:
     global _queue
     if _queue is None:
         _queue = queue.SimpleQueue()
-        threading.Thread(target=_compile_queued, args=(_queue,), name="nag-write-compile", daemon=True).start()
+        threading.Thread(target=_compile_queued, args=(_queue,), name="nag-write-compile",
+                         daemon=True).start()
     return _queue
 
 

@@ -50,6 +50,42 @@ def test_auto_compiles_only_large_eager_cpu_writes():
     assert not compiled.usable(big.double())  # gradcheck keeps the reference
 
 
+def test_a_long_training_run_compiles_smaller_writes(monkeypatch):
+    """A write under MIN_ELEMENTS compiles where the run under way is long enough to repay it: the
+    hops recipes' 2048 rows of 64 over 3000 steps, not over 100, and not once the run ended."""
+    monkeypatch.setattr(compiled, "_training_steps", None)
+    hops = torch.empty(2048, 64)
+    assert not compiled.usable(hops)
+    compiled.expect_training_steps(3000)
+    assert compiled.usable(hops) and compiled.usable(torch.empty(4, 64), pass_elements=2048 * 64)
+    assert not compiled.usable(torch.empty(4, 64))  # a test's write, even in a long run
+    compiled.expect_training_steps(100)
+    assert not compiled.usable(hops)
+    compiled.expect_training_steps(float("inf"))  # a run with no end known
+    assert compiled.usable(hops)
+    compiled.expect_training_steps(None)
+    assert not compiled.usable(hops)
+    with pytest.raises(ValueError, match="steps must be"):
+        compiled.expect_training_steps(-1)
+
+
+def test_fit_tells_the_write_how_long_it_trains(monkeypatch, tmp_path):
+    """During fit the write knows the steps the run has left; afterwards nothing."""
+    import lightning as L
+
+    from tests.test_budget import loader, model, trainer
+
+    monkeypatch.setattr(compiled, "_training_steps", None)
+    seen = []
+
+    class Look(L.Callback):
+        def on_train_batch_start(self, *args):
+            seen.append(compiled._training_steps)
+
+    trainer(tmp_path, [Look()], max_steps=5).fit(model(), loader())
+    assert seen == [5] * 5 and compiled._training_steps is None
+
+
 @pytest.mark.parametrize("full_write_compiles", [True, False], ids=["large pass", "small pass"])
 def test_a_routed_write_runs_as_its_passs_full_writes_do(monkeypatch, full_write_compiles):
     """`auto` chooses by the model's full write, so the routed MLPs' writes of a few of a pass's rows
