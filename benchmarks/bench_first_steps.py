@@ -10,6 +10,11 @@ each run is given. No checkpoint and no log is written; validation is off unless
 
     python benchmarks/bench_first_steps.py [--recipes recipes/quickstart.yaml ...] [--steps 100]
     python benchmarks/bench_first_steps.py --recipes recipes/quickstart.yaml --full
+    python benchmarks/bench_first_steps.py --recipes recipes/tasks/hops.yaml --recipe-length
+
+With `--recipe-length` each run keeps the recipe's own max_steps and is stopped after `--steps`: the
+first steps of the run a user starts, which knows its length (a long run compiles NAG's CPU write,
+`nag_kernels.compiled.MIN_RUN_ELEMENTS`, where a 100-step run would not).
 """
 
 from __future__ import annotations
@@ -29,20 +34,26 @@ RECIPES = ["recipes/quickstart.yaml", "recipes/bpe/quickstart.yaml", "recipes/ta
 VARIANTS = ("prenorm", "nag, cold cache", "nag, warm cache")
 
 
-def fit(recipe: str, variant: str, steps: int | None, cache: str, out: Path) -> dict:
-    """One `fit` in a new process; the StepClock's times (seconds from the command's start)."""
+def fit(recipe: str, variant: str, steps: int | None, cache: str, out: Path,
+        recipe_length: bool = False) -> dict:
+    """One `fit` in a new process; the StepClock's times (seconds from the command's start). With
+    `recipe_length`, the run keeps the recipe's max_steps and stops after `steps`."""
     args = [sys.executable, "-m", "nag_lightning.cli", "fit", "--config", recipe,
             "--trainer.logger=false", "--checkpoint.save_last=false", "--checkpoint.save_top_k=0",
             f"--trainer.default_root_dir={out / 'root'}", "--trainer.enable_progress_bar=false",
             "--trainer.callbacks+=step_clock.StepClock"]
     if steps is not None:
-        args += [f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0"]
+        args += ["--trainer.limit_val_batches=0"]
+        if not recipe_length:
+            args += [f"--trainer.max_steps={steps}"]
     if variant == "prenorm":
         args += ["--model.arch.residual=prenorm"]
     clock = out / "clock.json"
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, STEP_CLOCK_OUT=str(clock),
                STEP_CLOCK_START=repr(time.time()),
                PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    if recipe_length and steps is not None:
+        env["STEP_CLOCK_STOP"] = str(steps)
     env.setdefault("OMP_NUM_THREADS", "1")
     done = subprocess.run(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0 or not clock.is_file():
@@ -55,6 +66,8 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", default=RECIPES)
     parser.add_argument("--steps", type=int, default=100, help="training steps per run")
     parser.add_argument("--full", action="store_true", help="the recipe's own steps and validation")
+    parser.add_argument("--recipe-length", action="store_true",
+                        help="keep the recipe's max_steps, stop after --steps (the start of a user's run)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", help="also write every run's times here")
     args = parser.parse_args()
@@ -68,7 +81,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for variant in VARIANTS:
                     cache = cold_caches[repeat] if variant != "nag, warm cache" else cold_caches[0]
-                    clock = fit(recipe, variant, steps, cache, Path(scratch))
+                    clock = fit(recipe, variant, steps, cache, Path(scratch), args.recipe_length)
                     runs.setdefault((recipe, variant), []).append(clock)
                     print(recipe, variant, clock, flush=True)
     if args.json:
@@ -78,8 +91,10 @@ def main() -> None:
     print(f"| recipe | run | command to first step (s) | first step (s) | command to end of {span} (s) |")
     print("|---|---|---|---|---|")
     for (recipe, variant), clocks in runs.items():
-        med = {key: statistics.median(c[key] for c in clocks) for key in ("to_first_step", "first_step", "total")}
-        print(f"| {recipe} | {variant} | {med['to_first_step']:.1f} | {med['first_step']:.2f} | {med['total']:.1f} |")
+        med = {key: statistics.median(c[key] for c in clocks)
+               for key in ("to_first_step", "first_step", "total")}
+        print(f"| {recipe} | {variant} | {med['to_first_step']:.1f} | {med['first_step']:.2f} | "
+              f"{med['total']:.1f} |")
 
 
 if __name__ == "__main__":
