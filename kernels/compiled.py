@@ -56,7 +56,7 @@ _training_steps: float | None = None
 def expect_training_steps(steps: float | None) -> None:
     """Tell `auto` that a training run of `steps` more steps (inf: no end known) starts in this
     process, or with None that it ended: long runs compile smaller writes (`MIN_RUN_ELEMENTS`).
-    The package's LightningModule calls it when training starts and ends."""
+    NAG's training runs call it when training starts and ends (`nag_lightning.callbacks.RunLength`)."""
     global _training_steps
     if steps is not None and not steps >= 0:
         raise ValueError(f"steps must be a number of steps >= 0 or None; got {steps!r}.")

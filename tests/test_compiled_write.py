@@ -70,7 +70,7 @@ def test_a_long_training_run_compiles_smaller_writes(monkeypatch):
 
 
 def test_fit_tells_the_write_how_long_it_trains(monkeypatch, tmp_path):
-    """During fit the write knows the steps the run has left; afterwards nothing."""
+    """During a NAG model's fit the write knows the steps the run has left; afterwards nothing."""
     import lightning as L
 
     from tests.test_budget import loader, model, trainer

@@ -306,8 +306,9 @@ def test_ngpt_projects_every_matrix_to_unit_norm_along_the_embedding_axis():
     assert torch.equal(prenorm.head.weight, before)
 
 
-def test_ngpt_training_adds_the_weight_projection_callback():
-    from nag_lightning.callbacks import WeightProjection
+def test_training_adds_the_callbacks_each_strategys_method_needs():
+    """nGPT's weight projection; the run's length for NAG's CPU write; nothing for the others."""
+    from nag_lightning.callbacks import RunLength, WeightProjection
     from nag_lightning.model import TransformerConfig
     from nag_lightning.training.module import LanguageModel
 
@@ -316,7 +317,8 @@ def test_ngpt_training_adds_the_weight_projection_callback():
 
     callbacks = LanguageModel(tiny("ngpt")).configure_callbacks()
     assert [type(c) for c in callbacks] == [WeightProjection]
-    for name in ("prenorm", "nag", "lns", "periln"):
+    assert [type(c) for c in LanguageModel(tiny("nag")).configure_callbacks()] == [RunLength]
+    for name in ("prenorm", "lns", "periln"):
         assert LanguageModel(tiny(name)).configure_callbacks() == []
 
 

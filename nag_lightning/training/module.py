@@ -23,7 +23,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from nag_kernels.compiled import expect_training_steps
 from nag_lightning.checkpoints.loading import token_byte_lengths
 from nag_lightning.checkpoints.settings import architecture_differences, check_architecture
 from nag_lightning.data import tokenizer as tokenizers
@@ -218,14 +217,6 @@ class LanguageModel(L.LightningModule):
             self.log("train/aux_loss", aux)
         return loss + self.hparams.aux_loss_weight * aux
 
-    def on_train_start(self) -> None:
-        """Tell NAG's CPU write how long this run is: a long run compiles its writes, which a
-        short one would not repay (`nag_kernels.compiled.MIN_RUN_ELEMENTS`)."""
-        expect_training_steps(max(self.trainer.estimated_stepping_batches - self.global_step, 0))
-
-    def on_train_end(self) -> None:
-        expect_training_steps(None)
-
     def on_validation_start(self) -> None:
         """Say in the logs when a router's evaluation routing is not to be trusted yet."""
         for note in sorted({n for s in self.model.sublayers if (n := s.router.evaluation_note())}):
@@ -312,10 +303,8 @@ class LanguageModel(L.LightningModule):
         self.budget = budget
 
     def teardown(self, stage: str) -> None:
-        """Forget the budget and the length of this run (also where it ended in an error): a later
-        one on another Trainer sets its own."""
+        """Forget the budget of this run: a later one on another Trainer sets its own."""
         self.budget = None
-        expect_training_steps(None)
 
     def _progress(self, total: float):
         """step -> fraction of the run done, for WSD: of the FLOP budget when one follows the run

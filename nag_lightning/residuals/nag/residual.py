@@ -189,6 +189,11 @@ class NAGResidual(DirectionAndNormLanes):
     def aux_loss(self) -> Tensor | None:
         return self.angle.aux_loss()
 
+    @property
+    def training_callbacks(self) -> tuple[str, ...]:
+        """The run's length, by which the write on CPU decides whether compiling it pays."""
+        return (*super().training_callbacks, "nag_lightning.callbacks.RunLength")
+
 
 NAG_OPTIONS = ("angle", "bound", "theta_max", "norm_lane_readout", "alpha_init", "beta_init", "channel_scale",
                "kernel")
