@@ -195,16 +195,16 @@ def report(cells: list[dict], chosen: dict, gaps: list[dict], depths: list[int],
         row.append("-" if gap is None else f"{100 * gap['score']:+.1f}")
         rows.append(row)
     text = [f"Mean accuracy (%) over {', '.join(names)}, mean over seeds, each residual at its best rate "
-            "(rate, seeds):\n", markdown_table(head, rows)]
+            "(rate, seeds):\n\n", markdown_table(head, rows)]
     tried = [[c["residual"], str(c["depth"]), f"{c['lr']:g}", str(c["seeds"]), _pct(c["score"]),
               "yes" if c["chosen"] else ""] for c in sorted(cells, key=lambda c: (order.index(c["residual"]),
                                                                                    c["depth"], c["lr"]))]
-    text += ["\nEvery rate tried:\n", markdown_table(["residual", "blocks", "lr", "seeds", "score", "chosen"],
+    text += ["\nEvery rate tried:\n\n", markdown_table(["residual", "blocks", "lr", "seeds", "score", "chosen"],
                                                      tried)]
     levels = [n for n in cells[0] if n in cells[0]["steps"]]
     per_level = [[c["residual"], str(c["depth"]), *(_pct(c[n]) for n in levels)]
                  for c in sorted(chosen.values(), key=lambda c: (order.index(c["residual"]), c["depth"]))]
-    text += ["\nAccuracy (%) per level at the chosen rates:\n",
+    text += ["\nAccuracy (%) per level at the chosen rates:\n\n",
              markdown_table(["residual", "blocks", *levels], per_level)]
     steps = []
     for c in sorted(chosen.values(), key=lambda c: (order.index(c["residual"]), c["depth"])):
@@ -214,7 +214,7 @@ def report(cells: list[dict], chosen: dict, gaps: list[dict], depths: list[int],
             row.append(f"{statistics.fmean(kept):.0f} ({len(kept)}/{len(c['steps'][n])})" if kept else "-")
         steps.append(row)
     text += [f"\nFirst validation step at which a level reached {reach:g} accuracy, mean over the seeds "
-             "that reached it (seeds that did / seeds; -: none), at the chosen rates:\n",
+             "that reached it (seeds that did / seeds; -: none), at the chosen rates:\n\n",
              markdown_table(["residual", "blocks", *levels], steps)]
     return "".join(text)
 
