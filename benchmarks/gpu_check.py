@@ -56,7 +56,7 @@ SIZES = {
     "gpu": dict(d_model=1024, n_layers=12, n_heads=16, seq_len=1024, batch=8, repeats=10, warmup=3,
                 kernel_shapes=[(4096, 1024), (1000, 4096), (37, 3000)], rows=16384, dims=[1024, 4096],
                 copy_bytes=2**30),
-    "dry": dict(d_model=64, n_layers=2, n_heads=2, seq_len=32, batch=2, repeats=2, warmup=1,
+    "dry": dict(d_model=64, n_layers=1, n_heads=2, seq_len=32, batch=2, repeats=2, warmup=1,
                 kernel_shapes=[(6, 40)], rows=8, dims=[64], copy_bytes=2**20),
 }
 # The routed settings the MoD sections time, as (router, router options, sublayer kinds routed): the
