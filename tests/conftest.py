@@ -4,6 +4,10 @@ real kernel code on machines without a GPU; the variable must be set before trit
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Workers run side by side, one per core: each (and every process a test starts) takes one
+    # thread, since threads that spin for a core another worker holds slow both down many times.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import sys  # noqa: E402
 from importlib.metadata import PackageNotFoundError, distribution  # noqa: E402
