@@ -318,9 +318,9 @@ def mod_step(check: Check) -> dict:
 
 def decode_times(check: Check, runs: dict) -> dict[str, dict[str, float]]:
     """Milliseconds per generated token with the KV cache (batch 1, a prompt of 8 tokens, then one
-    token a step to DECODED tokens or the model's sequence length) and the MoD rate of generation, per model, after
-    `bench_mod_speed.calibrate` has set how often its router runs a token; the models train again
-    afterwards."""
+    token a step to DECODED tokens or the model's sequence length) and the MoD rate of generation,
+    per model, after `bench_mod_speed.calibrate` has set how often its router runs a token; the
+    models train again afterwards."""
     import bench_mod_speed as bms
     import torch
 
@@ -406,7 +406,8 @@ def compile_section(check: Check) -> dict:
             check.notes.append(f"{name} not compiled: its compile would not fit in the section's time")
             break
         variant = argparse.Namespace(**{**vars(args), "kernel": kernel})
-        model, optimizer = brs.build(residual, variant, router=router, router_options=options, route_kinds=kinds)
+        model, optimizer = brs.build(residual, variant, router=router, router_options=options,
+                                     route_kinds=kinds)
         runs[f"{name} compiled"] = (compile_model(model), optimizer)
         if name in ("nag", "prenorm"):
             runs[f"{name} eager"] = brs.build(name, args)
