@@ -10,12 +10,13 @@ import yaml
 from nag_lightning.analysis.reports.depth_gap import depth_gap
 
 
-def fake_run(root, residual, depth, lr, seed, accuracy, reached_k2_at=None, task_options=None, router="none"):
+def fake_run(root, residual, depth, lr, seed, accuracy, reached_k2_at=None, task_options=None, router="none",
+             residual_options=None):
     """A finished, evaluated `study tasks` run: its config, its evaluation and a validation history."""
-    run = root / f"lr{lr}" / f"{residual}-L{depth}-s{seed}"
+    run = root / f"lr{lr}{'_variant' if residual_options else ''}" / f"{residual}-L{depth}-s{seed}"
     (run / "version_0").mkdir(parents=True)
-    config = {"seed_everything": seed, "trainer": {"max_steps": 3000},
-              "model": {"lr": lr, "arch": {"residual": residual, "n_layers": depth, "router": router}},
+    arch = {"residual": residual, "n_layers": depth, "router": router, "residual_options": residual_options}
+    config = {"seed_everything": seed, "trainer": {"max_steps": 3000}, "model": {"lr": lr, "arch": arch},
               "data": {"init_args": {"task": "hops", "task_options": task_options or {"n_nodes": 10}}}}
     (run / "version_0" / "config.yaml").write_text(yaml.safe_dump(config))
     levels = [{"level": -1, "name": "unpredictable", "accuracy": None},
@@ -50,6 +51,22 @@ def test_each_residual_is_taken_at_its_best_rate_and_the_gap_is_to_the_better_ba
     assert "| 8 | 40.0 (0.003, 2) | 50.0 (0.003, 2) | 20.0 (0.003, 2) | -10.0 |" in text
     assert "| nag | 8 | - | - | 500 (2/2) | - |" in text  # k2 reached 0.5 at step 500, no other level logged
     assert (tmp_path / "out" / "gap.png").is_file()
+
+
+def test_a_variant_never_joins_the_default_and_shows_only_when_named(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    fake_run(runs, "nag", 8, 3e-3, 1, (0.2, 0.2))
+    fake_run(runs, "prenorm", 8, 3e-3, 1, (0.3, 0.3))
+    fake_run(runs, "nag", 8, 3e-3, 1, (0.9, 0.9), residual_options={"theta_max": 0.25})
+    gaps = depth_gap([str(runs)], out=str(tmp_path / "out"))
+    assert gaps[0]["score"] == pytest.approx(0.2 - 0.3)  # the default's seed alone
+    assert "name them in --also" in capsys.readouterr().out
+    assert "theta_max" not in (tmp_path / "out" / "gap.md").read_text()
+    gaps = depth_gap([str(runs)], out=str(tmp_path / "out"), also=["nag[theta_max=0.25]"])
+    assert gaps[0]["score"] == pytest.approx(0.2 - 0.3)  # shown, but no part of the gap
+    text = (tmp_path / "out" / "gap.md").read_text()
+    assert "| blocks | nag | prenorm | nag[theta_max=0.25] | nag minus the better baseline |" in text
+    assert "| 8 | 20.0 (0.003, 1) | 30.0 (0.003, 1) | 90.0 (0.003, 1) | -10.0 |" in text
 
 
 def test_runs_of_different_tasks_are_refused(tmp_path):

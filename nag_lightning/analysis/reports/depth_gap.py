@@ -5,7 +5,9 @@ A learning-rate sweep is several `study tasks` folders (one per rate); this read
 themselves, not the folders' tables, so runs of any folder, seed or rate join: every folder under
 `--runs` holding a difficulty.json (the run's evaluation on fresh sequences) and its
 version_0/config.yaml (what it trained: residual, blocks, learning rate, seed, task). Unrouted runs
-only; every run must have trained on the same task with the same options and steps.
+only; every run must have trained on the same task with the same options and steps. A run trained
+with residual_options is a variant, named by the residual and its options (`nag[theta_max=0.25]`):
+it never joins the default's runs, and is shown only when `--also` names it.
 
 Per (residual, blocks, learning rate) the accuracy of each level is the mean over seeds; the score
 is the mean over `--levels` (default: every level of 2 hops and more, where composition is needed).
@@ -48,6 +50,13 @@ def find_runs(roots: list[str]) -> list[Path]:
     return sorted(runs)
 
 
+def variant_name(residual: str, options: dict | None) -> str:
+    """A residual's name with its options, e.g. nag[theta_max=0.25]; the bare name without any."""
+    if not options:
+        return residual
+    return residual + "[" + ", ".join(f"{key}={options[key]}" for key in sorted(options)) + "]"
+
+
 def read_run(run: Path) -> dict | None:
     """A run's settings, accuracy per level and validation history; None for a routed run."""
     config = yaml.safe_load((run / "version_0" / "config.yaml").read_text()) or {}
@@ -58,7 +67,8 @@ def read_run(run: Path) -> dict | None:
     init = (config.get("data") or {}).get("init_args") or {}
     levels = json.loads((run / "difficulty.json").read_text())["levels"]
     return {
-        "run": run, "residual": str(arch["residual"]), "depth": int(arch["n_layers"]),
+        "run": run, "residual": variant_name(str(arch["residual"]), arch.get("residual_options")),
+        "depth": int(arch["n_layers"]),
         "lr": float(model["lr"]), "seed": config.get("seed_everything"),
         "task": json.dumps([init.get("task"), init.get("task_options"), (config.get("trainer") or {})
                             .get("max_steps")], sort_keys=True),
@@ -120,6 +130,7 @@ def depth_gap(
     baselines: list[str] = ["prenorm", "periln"],  # noqa: B006 - jsonargparse reads the default as data
     levels: list[str] | None = None,
     reach: float = 0.5,
+    also: list[str] = [],  # noqa: B006
 ) -> list[dict]:
     """Tabulate and draw a residual's gap to the better baseline against depth from finished task runs.
 
@@ -130,11 +141,17 @@ def depth_gap(
         baselines: the strategies it is measured against; at each depth, the better one's score.
         levels: the difficulty levels the score averages (e.g. [k4, k5]); None: 2 hops and more.
         reach: the accuracy whose first validation step per level the tables report.
+        also: further strategies or variants (e.g. "nag[theta_max=0.25]") shown in the tables and the
+            left panel at their best rates; they take no part in the gap.
     """
     if not 0 < reach <= 1:
         raise ValueError(f"--reach is an accuracy in (0, 1]; got {reach}.")
-    found = [read_run(path) for path in find_runs(runs)]
-    found = [run for run in found if run is not None and run["residual"] in {residual, *baselines}]
+    found = [run for run in map(read_run, find_runs(runs)) if run is not None]
+    shown = {residual, *baselines, *also}
+    left_out = sorted({run["residual"] for run in found} - shown)
+    if left_out:
+        print(f"Left out: runs of {left_out}; name them in --also to show them.")
+    found = [run for run in found if run["residual"] in shown]
     if not found:
         raise ValueError(f"No finished, evaluated unrouted run of {residual} or {baselines} under {runs}; "
                          "train them with `nag-lightning study tasks` first.")
@@ -150,7 +167,7 @@ def depth_gap(
         reached = [steps_to_reach(m["history"], reach) for m in cell["members"]]
         cell["steps"] = {n: [r.get(n) for r in reached] for n in cell if n in found[0]["levels"]}
     depths = sorted({c["depth"] for c in cells})
-    order = [r for r in (residual, *baselines) if any(c["residual"] == r for c in cells)]
+    order = [r for r in (residual, *baselines, *also) if any(c["residual"] == r for c in cells)]
     gaps = gap_rows(chosen, depths, residual, baselines, ["score", *names])
     out_dir = Path(out)
     write_csv([{k: v for k, v in c.items() if k not in ("members", "steps")} for c in cells],
@@ -199,8 +216,8 @@ def report(cells: list[dict], chosen: dict, gaps: list[dict], depths: list[int],
     tried = [[c["residual"], str(c["depth"]), f"{c['lr']:g}", str(c["seeds"]), _pct(c["score"]),
               "yes" if c["chosen"] else ""] for c in sorted(cells, key=lambda c: (order.index(c["residual"]),
                                                                                    c["depth"], c["lr"]))]
-    text += ["\nEvery rate tried:\n\n", markdown_table(["residual", "blocks", "lr", "seeds", "score", "chosen"],
-                                                     tried)]
+    tried_head = ["residual", "blocks", "lr", "seeds", "score", "chosen"]
+    text += ["\nEvery rate tried:\n\n", markdown_table(tried_head, tried)]
     levels = [n for n in cells[0] if n in cells[0]["steps"]]
     per_level = [[c["residual"], str(c["depth"]), *(_pct(c[n]) for n in levels)]
                  for c in sorted(chosen.values(), key=lambda c: (order.index(c["residual"]), c["depth"]))]
