@@ -130,7 +130,7 @@ def depth_gap(
     baselines: list[str] = ["prenorm", "periln"],  # noqa: B006 - jsonargparse reads the default as data
     levels: list[str] | None = None,
     reach: float = 0.5,
-    also: list[str] = [],  # noqa: B006
+    also: list[str] = [],  # noqa: B006 - as baselines
 ) -> list[dict]:
     """Tabulate and draw a residual's gap to the better baseline against depth from finished task runs.
 
